@@ -1,0 +1,217 @@
+"""Engine behaviour: valid results, collisions, small catalogs, batch invariance, errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import random_catalog, sequential_sid_map, write_random_model
+from xgr import Engine, ItemCatalog, XgrError
+
+OFFSET = 8
+
+
+def make_engine(model_dirs, catalog, arch="qwen2", **kwargs):
+    sid_map = sequential_sid_map(catalog.num_levels, catalog.codebook_size, OFFSET)
+    return Engine.from_pretrained(
+        model_dirs[arch], catalog=catalog, sid_token_ids=sid_map, **kwargs
+    )
+
+
+def random_prompts(lengths, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 96, (n,), generator=gen).tolist() for n in lengths]
+
+
+def test_results_are_valid_and_unique(model_dirs):
+    catalog = random_catalog(500, 3, 16, seed=3)
+    engine = make_engine(model_dirs, catalog)
+    for result in engine.recommend(random_prompts([4, 30]), beam_width=32, top_k=8, num_results=32):
+        ids = [r.item_id for r in result.items]
+        assert len(ids) == len(set(ids)) >= 32
+        scores = [r.score for r in result.items]
+        assert scores == sorted(scores, reverse=True)
+        for rec in result.items:
+            assert catalog.codes_of(rec.item_id) == rec.semantic_id
+            assert np.isfinite(rec.score) and rec.score < 0
+
+
+def test_collisions_are_returned_together_in_catalog_order(model_dirs):
+    codes = [[0, 0], [1, 1], [0, 0], [2, 3], [0, 0]]
+    catalog = ItemCatalog.from_codes(["x", "y", "z", "w", "v"], codes, 4)
+    engine = make_engine(model_dirs, catalog)
+    (result,) = engine.recommend(random_prompts([6]), beam_width=4, top_k=4, num_results=3)
+    assert len(result.semantic_ids) == 3
+    ids = [r.item_id for r in result.items]
+    assert sorted(ids) == ["v", "w", "x", "y", "z"]
+    start = ids.index("x")
+    assert ids[start : start + 3] == ["x", "z", "v"]
+    assert len({r.score for r in result.items[start : start + 3]}) == 1
+
+
+def test_catalog_smaller_than_beam_width(model_dirs):
+    catalog = random_catalog(5, 3, 16, seed=4)
+    engine = make_engine(model_dirs, catalog)
+    (result,) = engine.recommend(random_prompts([9]), beam_width=64, top_k=64, num_results=64)
+    assert sorted(r.item_id for r in result.items) == sorted(catalog.item_ids)
+    assert len(result.semantic_ids) == catalog.num_semantic_ids
+
+
+def test_one_item_catalog_with_beam_8(model_dirs):
+    catalog = ItemCatalog.from_codes(["only"], [[3, 7, 1]], 16)
+    engine = make_engine(model_dirs, catalog)
+    (result,) = engine.recommend(random_prompts([5]), beam_width=8, top_k=8, num_results=8)
+    assert [(r.item_id, r.semantic_id) for r in result.items] == [("only", (3, 7, 1))]
+
+
+def test_prefix_with_one_continuation(model_dirs):
+    # Every path starting with code 5 continues only with (2, 9); other prefixes branch.
+    codes = [[5, 2, 9]] + [[a, b, c] for a in (0, 1) for b in range(4) for c in range(4)]
+    catalog = ItemCatalog.from_codes([f"i{i}" for i in range(len(codes))], codes, 16)
+    engine = make_engine(model_dirs, catalog)
+    (result,) = engine.recommend(random_prompts([7]), beam_width=48, top_k=48, num_results=33)
+    assert len(result.items) == 33
+    assert ("i0", (5, 2, 9)) in [(r.item_id, r.semantic_id) for r in result.items]
+
+
+def test_batch_invariance(model_dirs):
+    catalog = random_catalog(400, 3, 16, seed=5)
+    engine = make_engine(model_dirs, catalog, arch="qwen3")
+    prompts = random_prompts([3, 50, 17, 1], seed=2)
+    together = engine.recommend(prompts, beam_width=16, top_k=16, num_results=10)
+    for prompt, batched in zip(prompts, together, strict=True):
+        (alone,) = engine.recommend([prompt], beam_width=16, top_k=16, num_results=10)
+        assert [r.item_id for r in alone.items] == [r.item_id for r in batched.items]
+        np.testing.assert_allclose(
+            [r.score for r in alone.items], [r.score for r in batched.items], atol=1e-5
+        )
+
+
+def test_top_k_below_beam_width_limits_children(model_dirs):
+    catalog = random_catalog(800, 2, 16, seed=6)
+    engine = make_engine(model_dirs, catalog)
+    (result,) = engine.recommend(random_prompts([8]), beam_width=16, top_k=2, num_results=16)
+    first_codes = [codes[0] for codes, _ in result.semantic_ids]
+    assert max(first_codes.count(c) for c in set(first_codes)) <= 2
+
+
+def test_exclude_item_ids_skips_and_refills(model_dirs):
+    catalog = random_catalog(300, 3, 16, seed=7)
+    engine = make_engine(model_dirs, catalog)
+    prompt = random_prompts([10])
+    (full,) = engine.recommend(prompt, beam_width=32, top_k=32, num_results=5)
+    banned = {full.items[0].item_id, full.items[2].item_id}
+    (result,) = engine.recommend(
+        prompt, beam_width=32, top_k=32, num_results=5, exclude_item_ids=[banned]
+    )
+    ids = [r.item_id for r in result.items]
+    assert not banned & set(ids)
+    assert len(ids) >= 5
+    assert ids[:2] == [full.items[1].item_id, full.items[3].item_id]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_agrees_with_float32(model_dirs, dtype):
+    catalog = random_catalog(400, 3, 16, seed=8)
+    prompts = random_prompts([12, 40], seed=3)
+    ref = make_engine(model_dirs, catalog).recommend(prompts, beam_width=16, num_results=10)
+    low = make_engine(model_dirs, catalog, dtype=dtype).recommend(
+        prompts, beam_width=16, num_results=10
+    )
+    assert low[0].items[0].semantic_id[0] in {c[0] for c, _ in ref[0].semantic_ids}
+    for a, b in zip(ref, low, strict=True):
+        overlap = {c for c, _ in a.semantic_ids} & {c for c, _ in b.semantic_ids}
+        assert len(overlap) >= 5
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(beam_width=4, num_results=5), "num_results"),
+        (dict(beam_width=0), "beam_width"),
+        (dict(top_k=0), "top_k"),
+        (dict(num_results=0), "num_results"),
+    ],
+)
+def test_bad_search_params(model_dirs, kwargs, message):
+    engine = make_engine(model_dirs, random_catalog(50, 3, 16, seed=9))
+    with pytest.raises(XgrError, match=message):
+        engine.recommend(random_prompts([4]), **kwargs)
+
+
+def test_bad_prompts(model_dirs):
+    engine = make_engine(model_dirs, random_catalog(50, 3, 16, seed=9))
+    with pytest.raises(XgrError, match="empty prompt"):
+        engine.recommend([[]])
+    with pytest.raises(XgrError, match="exceeds the model's limit of 254"):
+        engine.recommend([[1] * 255])
+    engine.recommend([[1] * 254], beam_width=2, num_results=1)  # the longest that fits
+    with pytest.raises(XgrError, match="token ids"):
+        engine.recommend([[1, 96]])
+    with pytest.raises(XgrError, match="tokenizer"):
+        engine.recommend(["<a_1>"])
+    assert engine.recommend([]) == []
+
+
+def test_code_map_must_match_catalog(model_dirs):
+    catalog = random_catalog(50, 3, 16, seed=9)
+    with pytest.raises(XgrError, match="3 levels"):
+        Engine.from_pretrained(model_dirs["qwen2"], catalog, sid_token_ids=np.zeros((2, 16)))
+    with pytest.raises(XgrError, match="codes per level"):
+        Engine.from_pretrained(model_dirs["qwen2"], catalog, sid_token_ids=np.zeros((3, 8)))
+    with pytest.raises(XgrError, match="outside the vocabulary"):
+        Engine.from_pretrained(
+            model_dirs["qwen2"], catalog, sid_token_ids=sequential_sid_map(3, 16, 90)
+        )
+
+
+def test_catalog_fingerprint_is_checked(tmp_path):
+    catalog = random_catalog(50, 3, 16, seed=10)
+    write_random_model(tmp_path, "qwen2")
+    catalog.write_model_metadata(tmp_path)
+    sid_map = sequential_sid_map(3, 16, OFFSET)
+    Engine.from_pretrained(tmp_path, catalog, sid_token_ids=sid_map)
+    other = random_catalog(50, 3, 16, seed=11)
+    with pytest.raises(XgrError, match="fingerprint"):
+        Engine.from_pretrained(tmp_path, other, sid_token_ids=sid_map)
+
+
+def test_catalog_and_code_map_found_in_the_folder(tmp_path):
+    """Default catalog file and code tokens named like the catalog's codes in tokenizer.json."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    catalog = random_catalog(60, 3, 16, seed=12)
+    vocab = {f"<t{i}>": i for i in range(OFFSET)}
+    vocab.update(
+        {f"<{'abc'[lvl]}_{c}>": OFFSET + lvl * 16 + c for lvl in range(3) for c in range(16)}
+    )
+    tok = Tokenizer(WordLevel(vocab, unk_token="<t0>"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(tmp_path)
+    write_random_model(tmp_path, "qwen2")
+    catalog.to_index_json(tmp_path / "catalog.index.json")
+    engine = Engine.from_pretrained(tmp_path)
+    assert engine.catalog.fingerprint == catalog.fingerprint
+    np.testing.assert_array_equal(engine.sid_token_ids.numpy(), sequential_sid_map(3, 16, OFFSET))
+    by_text = engine.recommend(["<t1> <a_3> <b_4> <c_5>"], beam_width=8, num_results=5)
+    by_ids = engine.recommend(
+        [[1, OFFSET + 3, OFFSET + 20, OFFSET + 37]], beam_width=8, num_results=5
+    )
+    assert by_text[0].items == by_ids[0].items
+
+
+def test_missing_catalog_and_tokenizer_are_reported(tmp_path):
+    write_random_model(tmp_path, "llama")
+    with pytest.raises(XgrError, match="no catalog"):
+        Engine.from_pretrained(tmp_path)
+    with pytest.raises(XgrError, match="no tokenizer"):
+        Engine.from_pretrained(tmp_path, random_catalog(10, 3, 16, seed=1))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(XgrError, match="unsupported model_type"):
+        Engine.from_pretrained(tmp_path, random_catalog(10, 3, 16, seed=1), sid_token_ids=[[0]])

@@ -1,0 +1,7 @@
+"""xgr: a serving engine for LLM-based generative recommendation."""
+
+from xgr.catalog import ItemCatalog
+from xgr.core import Recommendation, RecommendResult, SearchParams, XgrError
+from xgr.engine import Engine
+
+__all__ = ["Engine", "ItemCatalog", "Recommendation", "RecommendResult", "SearchParams", "XgrError"]

@@ -1,0 +1,106 @@
+"""One step of catalog-constrained beam search, vectorized over requests and beams.
+
+Candidates of a beam are only the children of its trie node (the valid continuations of
+its prefix); each beam keeps its ``top_k`` best, then each request keeps the global
+``beam_width`` best of its pool. With top_k >= beam_width this is exactly the selection of
+standard beam search over the masked vocabulary (as in HF transformers' ``generate``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from xgr.catalog.trie import TrieLevel
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class BeamState:
+    """The live beams of a batch after a decode step.
+
+    Attributes:
+        scores: (R, B) float32 summed log-probability of each beam; -inf for a dead beam
+            (fewer valid paths than beams), sorted best first per request.
+        nodes: (R, B) int64 trie node of each beam's prefix at the current depth.
+        codes: (R, B) int64 code chosen at this step.
+        parents: (R, B) int64 index of each beam's parent among the previous step's beams.
+    """
+
+    scores: torch.Tensor
+    nodes: torch.Tensor
+    codes: torch.Tensor
+    parents: torch.Tensor
+
+    @classmethod
+    def root(cls, num_requests: int, device: torch.device) -> BeamState:
+        """One beam per request at the trie root, score 0."""
+        zeros = torch.zeros(num_requests, 1, dtype=torch.int64, device=device)
+        return cls(torch.zeros(num_requests, 1, device=device), zeros, zeros, zeros)
+
+
+def constrained_beam_step(
+    state: BeamState,
+    log_probs: torch.Tensor,
+    level: TrieLevel,
+    level_token_ids: torch.Tensor,
+    beam_width: int,
+    top_k: int,
+) -> BeamState:
+    """Extend every beam by one code and keep the best ``beam_width`` per request.
+
+    Args:
+        state: beams before the step, (R, B_prev) each.
+        log_probs: (R, B_prev, vocab_size) float32 next-token log-probabilities of each beam.
+        level: the trie level whose children are this step's valid codes.
+        level_token_ids: (codebook_size,) int64 vocabulary id of each code of this level
+            (any id for codes no item uses: they are never valid candidates).
+        beam_width: beams kept per request.
+        top_k: candidates each beam contributes to its request's pool.
+
+    Returns:
+        The new beams, (R, beam_width) each, best first; rows beyond the number of valid
+        candidates have score -inf.
+    """
+    num_requests, prev_beams, vocab = log_probs.shape
+    codes, children, valid = level.expand(state.nodes.reshape(-1))  # [R * B_prev, W]
+    width = codes.shape[1]
+    token_ids = level_token_ids[codes].clamp(0, vocab - 1)
+    cand = log_probs.reshape(-1, vocab).gather(1, token_ids) + state.scores.reshape(-1, 1)
+    cand = cand.masked_fill(~valid, NEG_INF)
+    k = min(top_k, width)
+    beam_best, beam_slot = cand.topk(k, dim=1)  # [R * B_prev, k]
+    pool = beam_best.view(num_requests, prev_beams * k)
+    keep = min(beam_width, prev_beams * k)
+    scores, flat = pool.topk(keep, dim=1)  # [R, keep]
+    parents = torch.div(flat, k, rounding_mode="floor")
+    slot = beam_slot.view(num_requests, prev_beams * k).gather(1, flat)
+    rows = parents + torch.arange(num_requests, device=parents.device)[:, None] * prev_beams
+    new_codes = codes[rows, slot]
+    new_nodes = children[rows, slot]
+    alive = scores > NEG_INF
+    state = BeamState(
+        scores,
+        torch.where(alive, new_nodes, 0),
+        torch.where(alive, new_codes, 0),
+        parents,
+    )
+    return _pad_beams(state, beam_width)
+
+
+def _pad_beams(state: BeamState, beam_width: int) -> BeamState:
+    """Pad to ``beam_width`` dead beams (score -inf, node 0, parent 0) so shapes stay fixed."""
+    missing = beam_width - state.scores.shape[1]
+    if missing == 0:
+        return state
+    rows = state.scores.shape[0]
+    pad_scores = torch.full((rows, missing), NEG_INF, device=state.scores.device)
+    pad_ints = torch.zeros(rows, missing, dtype=torch.int64, device=state.scores.device)
+    return BeamState(
+        torch.cat([state.scores, pad_scores], 1),
+        torch.cat([state.nodes, pad_ints], 1),
+        torch.cat([state.codes, pad_ints], 1),
+        torch.cat([state.parents, pad_ints], 1),
+    )

@@ -1,0 +1,303 @@
+"""The item catalog: item ids, their semantic IDs, collisions and the valid-path trie."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from xgr.catalog.trie import PrefixTrie, build_prefix_trie
+from xgr.core import XgrError
+
+# Default level letters for catalogs built from integer codes: level 0 is "a", level 1 "b", ...
+DEFAULT_LEVEL_NAMES = "abcdefghijklmnopqrstuvwxyz"
+_LEVEL_NAME = re.compile(r"[a-z]+")
+_CODE_TOKEN = re.compile(r"<([a-z]+)_(\d+)>")
+# File written beside a model trained on a catalog, holding the catalog's fingerprint.
+CATALOG_METADATA_FILE = "xgr_catalog.json"
+
+
+class ItemCatalog:
+    """Items and their semantic IDs, with collisions kept and a prefix trie of valid paths.
+
+    Attributes:
+        item_ids: item ids (str) in catalog order.
+        codes: (num_items, num_levels) int64 semantic ID of each item.
+        codebook_size: codes per level; every code is in [0, codebook_size).
+        level_names: the token letter of each level (``<a_12>`` has letter "a").
+        semantic_ids: (num_semantic_ids, num_levels) int64 distinct semantic IDs, sorted
+            lexicographically; trie leaves are numbered by these rows.
+        sid_of_item: (num_items,) int64 row of ``semantic_ids`` for each item.
+    """
+
+    def __init__(
+        self,
+        item_ids: list[Any],
+        codes: Any,
+        codebook_size: int | None = None,
+        level_names: str | tuple[str, ...] | None = None,
+    ) -> None:
+        codes = _as_code_array(codes)
+        num_items, num_levels = codes.shape
+        if num_items == 0:
+            raise XgrError("the catalog is empty: at least one item is needed")
+        if len(item_ids) != num_items:
+            raise XgrError(f"{len(item_ids)} item ids for {num_items} rows of codes")
+        self.item_ids = [str(i) for i in item_ids]
+        self.item_index = {item_id: row for row, item_id in enumerate(self.item_ids)}
+        if len(self.item_index) != num_items:
+            seen: set[str] = set()
+            dup = next(i for i in self.item_ids if i in seen or seen.add(i))
+            raise XgrError(f"duplicate item id {dup!r} in the catalog")
+        if codes.min() < 0:
+            row = int(np.argwhere(codes < 0)[0][0])
+            raise XgrError(f"negative code in item {self.item_ids[row]!r}: {codes[row].tolist()}")
+        max_code = int(codes.max())
+        if codebook_size is None:
+            codebook_size = max_code + 1
+        if not isinstance(codebook_size, int | np.integer) or codebook_size < 1:
+            raise XgrError(f"codebook_size must be an integer >= 1, got {codebook_size!r}")
+        if max_code >= codebook_size:
+            row = int(np.argwhere(codes >= codebook_size)[0][0])
+            raise XgrError(
+                f"code out of range in item {self.item_ids[row]!r}: {codes[row].tolist()} "
+                f"(codebook_size {codebook_size})"
+            )
+        names = tuple(level_names or DEFAULT_LEVEL_NAMES[:num_levels])
+        if len(names) != num_levels:
+            raise XgrError(f"{len(names)} level names for {num_levels} levels")
+        bad = [n for n in names if not isinstance(n, str) or not _LEVEL_NAME.fullmatch(n)]
+        if bad or len(set(names)) != num_levels:
+            raise XgrError(f"level names must be distinct lower-case words, got {list(names)}")
+        self.codes = codes
+        self.codebook_size = int(codebook_size)
+        self.level_names = names
+        self.semantic_ids, sid_of_item = np.unique(codes, axis=0, return_inverse=True)
+        self.sid_of_item = sid_of_item.reshape(-1).astype(np.int64)
+        # Items of each semantic ID, in catalog order (stable sort keeps it).
+        order = np.argsort(self.sid_of_item, kind="stable")
+        self._sid_item_order = order
+        self._sid_item_ptr = np.searchsorted(
+            self.sid_of_item[order], np.arange(len(self.semantic_ids) + 1)
+        )
+
+    @classmethod
+    def from_codes(
+        cls,
+        item_ids: list[Any],
+        codes: Any,
+        codebook_size: int,
+        level_names: str | tuple[str, ...] | None = None,
+    ) -> ItemCatalog:
+        """Build a catalog from integer codes.
+
+        Args:
+            item_ids: one id per item (converted to str).
+            codes: int array-like of shape (num_items, num_levels).
+            codebook_size: codes per level.
+            level_names: token letters per level; default "a", "b", "c", ...
+
+        Raises:
+            XgrError: empty catalog, ragged or non-integer codes, negative or out-of-range
+                codes, duplicate item ids.
+        """
+        return cls(item_ids, codes, codebook_size, level_names)
+
+    @classmethod
+    def from_index_json(cls, path: str | Path, codebook_size: int | None = None) -> ItemCatalog:
+        """Load the common index format ``{"<item_id>": ["<a_236>", "<b_231>", ...], ...}``.
+
+        Args:
+            path: the JSON file.
+            codebook_size: codes per level; default the largest code + 1.
+
+        Raises:
+            XgrError: unreadable JSON, malformed code strings, level letters that differ
+                between items, ragged code lengths, and every error of ``from_codes``.
+        """
+        try:
+            raw = json.loads(Path(path).read_text(encoding="utf-8"), object_pairs_hook=_unique_keys)
+        except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad UTF-8 or JSON
+            raise XgrError(f"cannot read catalog index {path}: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise XgrError(f"catalog index {path} must be a JSON object of item id -> code list")
+        item_ids, rows, names = [], [], None
+        for item_id, tokens in raw.items():
+            if isinstance(tokens, str):
+                tokens = split_semantic_id(tokens)
+            if not isinstance(tokens, list) or not tokens:
+                raise XgrError(f"item {item_id!r}: expected a list of code strings, got {tokens!r}")
+            where = f"item {item_id!r}"
+            letters, codes = zip(*(_parse_code_token(t, where) for t in tokens), strict=True)
+            if names is None:
+                names = letters
+            elif letters != names:
+                raise XgrError(
+                    f"item {item_id!r} has levels {list(letters)}, earlier items have {list(names)}"
+                )
+            item_ids.append(item_id)
+            rows.append(codes)
+        return cls(item_ids, rows, codebook_size, names)
+
+    def __len__(self) -> int:
+        return len(self.item_ids)
+
+    @property
+    def num_levels(self) -> int:
+        return self.codes.shape[1]
+
+    @property
+    def num_semantic_ids(self) -> int:
+        return len(self.semantic_ids)
+
+    @cached_property
+    def trie(self) -> PrefixTrie:
+        """The valid-path trie on the CPU (``trie.to(device)`` moves it)."""
+        return build_prefix_trie(self.semantic_ids, self.codebook_size)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """A stable digest of the item -> semantic ID map, independent of item order.
+
+        Returns:
+            ``"sha256:<hex>"`` over the levels and each item's id and codes, sorted by item id.
+        """
+        digest = hashlib.sha256(f"xgr-catalog-v1 levels={self.num_levels}\n".encode())
+        for row in sorted(range(len(self)), key=self.item_ids.__getitem__):
+            # One JSON line per item: ids holding separators cannot make two catalogs collide.
+            line = json.dumps([self.item_ids[row], self.codes[row].tolist()])
+            digest.update(f"{line}\n".encode())
+        return "sha256:" + digest.hexdigest()
+
+    def items_of_semantic_id(self, sid_index: int) -> list[str]:
+        """Item ids sharing semantic ID row ``sid_index``, in catalog order.
+
+        Raises:
+            XgrError: sid_index is not a row of ``semantic_ids``.
+        """
+        if not 0 <= sid_index < self.num_semantic_ids:
+            raise XgrError(f"semantic ID row {sid_index} out of range [0, {self.num_semantic_ids})")
+        lo, hi = self._sid_item_ptr[sid_index], self._sid_item_ptr[sid_index + 1]
+        return [self.item_ids[i] for i in self._sid_item_order[lo:hi]]
+
+    @cached_property
+    def _sid_rows(self) -> dict[tuple[int, ...], int]:
+        return {tuple(row): i for i, row in enumerate(self.semantic_ids.tolist())}
+
+    def find_semantic_id(self, codes: tuple[int, ...]) -> int | None:
+        """Row of ``semantic_ids`` equal to ``codes``, or None if no item has that semantic ID."""
+        return self._sid_rows.get(tuple(int(c) for c in codes))
+
+    def codes_of(self, item_id: Any) -> tuple[int, ...]:
+        """The semantic ID of one item. Raises XgrError for an unknown item id."""
+        row = self.item_index.get(str(item_id))
+        if row is None:
+            raise XgrError(f"unknown item id {item_id!r}")
+        return tuple(int(c) for c in self.codes[row])
+
+    def format_semantic_id(self, codes: tuple[int, ...] | list[int]) -> str:
+        """Codes as tokens, e.g. ``(12, 5, 200)`` -> ``"<a_12><b_5><c_200>"``.
+
+        Raises:
+            XgrError: the number of codes differs from the number of levels.
+        """
+        if len(codes) != self.num_levels:
+            raise XgrError(f"{len(codes)} codes given for {self.num_levels} levels")
+        return "".join(f"<{n}_{c}>" for n, c in zip(self.level_names, codes, strict=True))
+
+    def parse_semantic_id(self, text: str) -> tuple[int, ...]:
+        """Inverse of ``format_semantic_id``.
+
+        Raises:
+            XgrError: malformed text, wrong levels, or a semantic ID no catalog item has.
+        """
+        tokens = split_semantic_id(text)
+        if len(tokens) != self.num_levels:
+            raise XgrError(
+                f"semantic ID {text!r} has {len(tokens)} levels, expected {self.num_levels}"
+            )
+        parsed = [_parse_code_token(t, f"semantic ID {text!r}") for t in tokens]
+        if tuple(letter for letter, _ in parsed) != self.level_names:
+            raise XgrError(f"semantic ID {text!r} does not use the levels {self.level_names}")
+        codes = tuple(code for _, code in parsed)
+        if self.find_semantic_id(codes) is None:
+            raise XgrError(f"semantic ID {text!r} is not in the catalog")
+        return codes
+
+    def write_model_metadata(self, model_dir: str | Path) -> Path:
+        """Save the fingerprint beside a model trained on this catalog (``xgr_catalog.json``)."""
+        path = Path(model_dir) / CATALOG_METADATA_FILE
+        meta = {
+            "fingerprint": self.fingerprint,
+            "num_items": len(self),
+            "num_semantic_ids": self.num_semantic_ids,
+            "num_levels": self.num_levels,
+            "codebook_size": self.codebook_size,
+            "level_names": list(self.level_names),
+        }
+        path.write_text(json.dumps(meta, indent=2) + "\n")
+        return path
+
+    def to_index_json(self, path: str | Path) -> None:
+        """Write the catalog in the index format ``from_index_json`` reads."""
+        index = {
+            item_id: [f"<{n}_{c}>" for n, c in zip(self.level_names, row, strict=True)]
+            for item_id, row in zip(self.item_ids, self.codes.tolist(), strict=True)
+        }
+        Path(path).write_text(json.dumps(index))
+
+
+def split_semantic_id(text: str) -> list[str]:
+    """``"<a_1><b_2>"`` -> ``["<a_1>", "<b_2>"]``; raises XgrError if anything else is in it."""
+    tokens = re.findall(r"<[^<>]*>", text)
+    if not tokens or "".join(tokens) != text.strip():
+        raise XgrError(f"malformed semantic ID {text!r}: expected tokens like <a_12><b_5>")
+    return tokens
+
+
+def _parse_code_token(token: Any, where: str) -> tuple[str, int]:
+    match = _CODE_TOKEN.fullmatch(token) if isinstance(token, str) else None
+    if match is None:
+        raise XgrError(f"{where}: malformed code {token!r}, expected a token like '<a_12>'")
+    return match.group(1), int(match.group(2))
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """JSON object hook that refuses duplicate keys (json.loads would keep only the last)."""
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise XgrError(f"duplicate item id {key!r} in the catalog index")
+        result[key] = value
+    return result
+
+
+def _as_code_array(codes: Any) -> np.ndarray:
+    if hasattr(codes, "detach"):  # a torch tensor
+        codes = codes.detach().cpu().numpy()
+    if isinstance(codes, np.ndarray):
+        array = codes
+    else:
+        try:
+            rows = [list(r) for r in codes]
+        except TypeError as exc:
+            raise XgrError("codes must be a 2-D array-like (num_items, num_levels)") from exc
+        lengths = {len(r) for r in rows}
+        if len(lengths) > 1:
+            raise XgrError(f"ragged codes: items have {sorted(lengths)} levels")
+        try:
+            array = np.array(rows)
+        except (ValueError, TypeError) as exc:
+            raise XgrError(f"codes are not a rectangular integer array: {exc}") from exc
+    if array.size == 0:
+        raise XgrError("the catalog is empty: at least one item is needed")
+    if array.ndim != 2:
+        raise XgrError(f"codes must have shape (num_items, num_levels), got {array.shape}")
+    if not np.issubdtype(array.dtype, np.integer):
+        raise XgrError(f"codes must be integers, got dtype {array.dtype}")
+    return array.astype(np.int64)

@@ -1,0 +1,84 @@
+"""Core request and result types shared by every layer of xgr.
+
+Invariants the engine keeps for every request:
+
+- The prompt's KV (the *shared KV*) is computed once by prefill and stored once per
+  request; no decode step copies it per beam.
+- Each beam's generated tokens have their own *unshared KV*, at most ``num_levels``
+  tokens, reordered in place when beams are reselected.
+- Every returned semantic ID is a path of the catalog's prefix trie; every returned
+  item belongs to the catalog, and no item appears twice in one result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class XgrError(ValueError):
+    """Bad input to xgr: the message names the argument and what was wrong with it."""
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """One recommended item.
+
+    Attributes:
+        item_id: the catalog's item id (a string, as in the index file).
+        score: the summed log-probability (natural log, float) of the item's semantic
+            ID under the model; items sharing one semantic ID share the score.
+        semantic_id: the item's codes, one int per level.
+    """
+
+    item_id: str
+    score: float
+    semantic_id: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SearchParams:
+    """Beam-search parameters of one request, validated once.
+
+    Attributes:
+        beam_width: beams kept after every decode step (>= 1).
+        top_k: candidates each beam contributes per step before the global selection (>= 1).
+        num_results: semantic IDs returned, best first (1 <= num_results <= beam_width).
+
+    Raises:
+        XgrError: on any value out of range.
+    """
+
+    beam_width: int = 64
+    top_k: int = 64
+    num_results: int = 10
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "top_k", "num_results"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise XgrError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.num_results > self.beam_width:
+            raise XgrError(
+                f"num_results ({self.num_results}) must not exceed beam_width ({self.beam_width})"
+            )
+
+
+@dataclass
+class RecommendResult:
+    """The answer to one prompt.
+
+    Attributes:
+        items: recommended items, best first; all items of one semantic ID are adjacent,
+            in catalog order.
+        semantic_ids: the ``num_results`` best semantic IDs found by beam search with their
+            scores, best first (before any item exclusion).
+        prompt_tokens: prompt length in tokens.
+        prefill_ms: wall time (ms) of the batch's prefill this prompt ran in.
+        decode_ms: wall time (ms) of the batch's decode steps.
+    """
+
+    items: list[Recommendation] = field(default_factory=list)
+    semantic_ids: list[tuple[tuple[int, ...], float]] = field(default_factory=list)
+    prompt_tokens: int = 0
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0

@@ -1,0 +1,5 @@
+"""The engine: model runner and fixed-step generation."""
+
+from xgr.engine.engine import Engine
+
+__all__ = ["Engine"]

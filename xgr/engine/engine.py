@@ -1,0 +1,242 @@
+"""``xgr.Engine``: recommendations for prompts by catalog-constrained beam search."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from xgr.catalog import CATALOG_METADATA_FILE, ItemCatalog
+from xgr.core import Recommendation, RecommendResult, SearchParams, XgrError
+from xgr.engine.generate import generate_semantic_ids
+from xgr.engine.prompt import PromptFormat
+from xgr.models import CausalLM, load_causal_lm
+from xgr.models.sid_vocab import (
+    sid_token_ids_from_tokenizer,
+    tokenizer_vocab,
+    validate_sid_token_ids,
+)
+
+logger = logging.getLogger(__name__)
+
+# Catalog file a demo or training pipeline saves beside the model; used when none is passed.
+DEFAULT_CATALOG_FILE = "catalog.index.json"
+
+Prompt = Sequence[int] | str
+
+
+class Engine:
+    """Serves recommendations from one model and one catalog.
+
+    Args:
+        model: the decoder-only LM, already on its device and dtype.
+        catalog: the items served.
+        sid_token_ids: (num_levels, codebook_size) int array, vocabulary id of each code.
+        tokenizer: optional ``tokenizers.Tokenizer`` for string prompts.
+        name: model name reported by the server.
+        prompt_format: how histories become prompts (default: the items' tokens alone).
+
+    Raises:
+        XgrError: the code map does not match the catalog or the model's vocabulary.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        catalog: ItemCatalog,
+        sid_token_ids: Any,
+        tokenizer: Any = None,
+        name: str = "xgr-model",
+        prompt_format: PromptFormat | None = None,
+    ) -> None:
+        self.model = model
+        self.catalog = catalog
+        self.tokenizer = tokenizer
+        self.name = name
+        self.prompt_format = prompt_format or PromptFormat()
+        self.device = model.lm_head.weight.device
+        table = validate_sid_token_ids(sid_token_ids, catalog, model.config.vocab_size)
+        self.sid_token_ids = torch.from_numpy(table).to(self.device)
+        self._sid_token_ids_host = table
+        self.trie = catalog.trie.to(self.device)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        catalog: ItemCatalog | None = None,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype = "float32",
+        sid_token_ids: Any = None,
+    ) -> Engine:
+        """Load a model folder and serve ``catalog`` with it.
+
+        Args:
+            model_dir: HF folder with config.json and safetensors weights (single or sharded).
+            catalog: the catalog; default ``<model_dir>/catalog.index.json``.
+            device: torch device ("cpu" here; "cuda" once the GPU path lands).
+            dtype: "float32", "bfloat16" or "float16".
+            sid_token_ids: (num_levels, codebook_size) code -> token id map; default found
+                from the folder's tokenizer tokens named like the catalog's codes (``<a_12>``).
+
+        Raises:
+            XgrError: unreadable folder or weights, no catalog, a catalog whose fingerprint
+                differs from the one saved beside the model, or a code map that does not fit.
+        """
+        model_dir = Path(model_dir)
+        if catalog is None:
+            path = model_dir / DEFAULT_CATALOG_FILE
+            if not path.exists():
+                raise XgrError(f"no catalog given and {path} does not exist")
+            catalog = ItemCatalog.from_index_json(path)
+        check_catalog_fingerprint(model_dir, catalog)
+        model = load_causal_lm(model_dir, device, dtype)
+        if sid_token_ids is None:
+            sid_token_ids = sid_token_ids_from_tokenizer(model_dir, catalog)
+        prompt_format = PromptFormat.from_model_dir(model_dir, tokenizer_vocab(model_dir))
+        return cls(
+            model, catalog, sid_token_ids, _load_tokenizer(model_dir), model_dir.name, prompt_format
+        )
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """Longest prompt accepted (tokens): positions must cover the generated codes too."""
+        return self.model.config.max_position_embeddings - self.catalog.num_levels + 1
+
+    def history_prompt(self, history: Sequence[Any], truncate: bool = False) -> list[int]:
+        """The prompt (token ids) for a history of item ids, oldest first.
+
+        Args:
+            history: item ids of the catalog.
+            truncate: drop the oldest items until the prompt fits the model; without it a
+                prompt that is too long raises at ``recommend``.
+
+        Raises:
+            XgrError: empty history or unknown item ids.
+        """
+        limit = self.max_prompt_tokens if truncate else None
+        return self.prompt_format.build(history, self.catalog, self._sid_token_ids_host, limit)
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """A prompt as token ids, validated. Raises XgrError for an unusable prompt."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise XgrError("string prompts need a tokenizer in the model folder")
+            tokens = list(self.tokenizer.encode(prompt, add_special_tokens=False).ids)
+        else:
+            tokens = [int(t) for t in prompt]
+        if not tokens:
+            raise XgrError("empty prompt: at least one token is needed")
+        if len(tokens) > self.max_prompt_tokens:
+            raise XgrError(
+                f"prompt of {len(tokens)} tokens exceeds the model's limit of "
+                f"{self.max_prompt_tokens} (max positions minus generated codes)"
+            )
+        vocab = self.model.config.vocab_size
+        if min(tokens) < 0 or max(tokens) >= vocab:
+            raise XgrError(f"prompt token ids must be in [0, {vocab})")
+        return tokens
+
+    def recommend(
+        self,
+        prompts: Sequence[Prompt],
+        beam_width: int = 64,
+        top_k: int = 64,
+        num_results: int = 10,
+        exclude_item_ids: Sequence[Iterable[Any]] | None = None,
+    ) -> list[RecommendResult]:
+        """Recommend items for each prompt.
+
+        Args:
+            prompts: token-id lists, or strings when the model folder has a tokenizer.
+            beam_width: beams kept per decode step.
+            top_k: candidates per beam per step.
+            num_results: semantic IDs returned per prompt, best first; each brings all its
+                (non-excluded) items, so collisions can make ``items`` longer.
+            exclude_item_ids: per prompt, item ids to leave out of ``items`` (e.g. the
+                history); semantic IDs whose items are all excluded are skipped and the next
+                best of the beam_width final beams are taken instead.
+
+        Returns:
+            One ``RecommendResult`` per prompt, in order.
+
+        Raises:
+            XgrError: bad search parameters or prompts (empty, too long, out-of-vocab ids).
+        """
+        params = SearchParams(beam_width, top_k, num_results)
+        if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence):
+            raise XgrError("prompts must be a list of prompts")
+        tokenized = [self.tokenize(p) for p in prompts]
+        if exclude_item_ids is not None and len(exclude_item_ids) != len(prompts):
+            raise XgrError("exclude_item_ids needs one entry per prompt")
+        if not tokenized:
+            return []
+        out = generate_semantic_ids(
+            self.model, self.trie, self.sid_token_ids, tokenized, beam_width, top_k
+        )
+        sid_index, scores = out.sid_index.numpy(), out.scores.numpy()
+        results = []
+        for i, tokens in enumerate(tokenized):
+            excluded = {str(x) for x in exclude_item_ids[i]} if exclude_item_ids else set()
+            result = self._result(sid_index[i], scores[i], params, excluded)
+            result.prompt_tokens = len(tokens)
+            result.prefill_ms, result.decode_ms = out.prefill_ms, out.decode_ms
+            results.append(result)
+        return results
+
+    def _result(
+        self,
+        sid_index: np.ndarray,
+        scores: np.ndarray,
+        params: SearchParams,
+        excluded: set[str],
+    ) -> RecommendResult:
+        result = RecommendResult()
+        taken = 0
+        for sid, score in zip(sid_index.tolist(), scores.tolist(), strict=True):
+            if score == float("-inf"):
+                break
+            codes = tuple(int(c) for c in self.catalog.semantic_ids[sid])
+            if len(result.semantic_ids) < params.num_results:
+                result.semantic_ids.append((codes, score))
+            if taken == params.num_results:
+                continue
+            items = [i for i in self.catalog.items_of_semantic_id(sid) if i not in excluded]
+            result.items.extend(Recommendation(i, score, codes) for i in items)
+            taken += bool(items)
+        return result
+
+
+def check_catalog_fingerprint(model_dir: Path, catalog: ItemCatalog) -> None:
+    """Refuse a catalog whose fingerprint differs from the one saved beside the model.
+
+    Raises:
+        XgrError: the fingerprints differ. A folder with no saved fingerprint is accepted
+            (and logged), since plain HF checkpoints carry none.
+    """
+    path = model_dir / CATALOG_METADATA_FILE
+    if not path.exists():
+        logger.info("%s has no %s: catalog not checked", model_dir, CATALOG_METADATA_FILE)
+        return
+    saved = json.loads(path.read_text()).get("fingerprint")
+    if saved != catalog.fingerprint:
+        raise XgrError(
+            f"catalog fingerprint {catalog.fingerprint} does not match {saved} saved with the "
+            f"model in {path}: the model was trained on another catalog"
+        )
+
+
+def _load_tokenizer(model_dir: Path) -> Any:
+    # tokenizer.json holds the whole fast tokenizer; reading it directly avoids transformers'
+    # AutoTokenizer, which picks a tokenizer class from config.json's model_type instead.
+    path = model_dir / "tokenizer.json"
+    if not path.exists():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))

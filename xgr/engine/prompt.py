@@ -1,0 +1,112 @@
+"""Turning a user's history of items into a prompt of token ids.
+
+A model folder may describe its prompt in ``xgr_prompt.json``::
+
+    {"prefix_tokens": ["<bos>"], "suffix_tokens": [], "max_history_items": 50}
+
+The prompt is the prefix, then the semantic-ID tokens of the most recent
+``max_history_items`` items (oldest first), then the suffix. Without the file the prompt is
+just the items' tokens with no history cap.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from xgr.catalog import ItemCatalog
+from xgr.core import XgrError
+
+PROMPT_FORMAT_FILE = "xgr_prompt.json"
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """How a history becomes a prompt.
+
+    Attributes:
+        prefix: token ids before the history.
+        suffix: token ids after the history.
+        max_history_items: most recent items kept (None: all).
+    """
+
+    prefix: tuple[int, ...] = ()
+    suffix: tuple[int, ...] = ()
+    max_history_items: int | None = None
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, vocab: dict[str, int]) -> PromptFormat:
+        """Read ``xgr_prompt.json`` (token strings resolved through ``vocab``); default if absent.
+
+        Raises:
+            XgrError: unreadable file, or a token the tokenizer does not have.
+        """
+        path = Path(model_dir) / PROMPT_FORMAT_FILE
+        if not path.exists():
+            return cls()
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise XgrError(f"cannot read {path}: {exc}") from exc
+
+        def ids(key: str) -> tuple[int, ...]:
+            tokens = raw.get(key, [])
+            missing = [t for t in tokens if t not in vocab]
+            if missing:
+                raise XgrError(f"{path}: {key} has tokens the tokenizer lacks: {missing}")
+            return tuple(vocab[t] for t in tokens)
+
+        limit = raw.get("max_history_items")
+        if limit is not None and (not isinstance(limit, int) or limit < 1):
+            raise XgrError(f"{path}: max_history_items must be an integer >= 1 or null")
+        return cls(ids("prefix_tokens"), ids("suffix_tokens"), limit)
+
+    def build(
+        self,
+        history: Sequence[Any],
+        catalog: ItemCatalog,
+        sid_token_ids: np.ndarray,
+        max_tokens: int | None = None,
+    ) -> list[int]:
+        """Token ids of the prompt for ``history`` (item ids, oldest first).
+
+        Args:
+            history: item ids known to the catalog.
+            catalog: the served catalog.
+            sid_token_ids: (num_levels, codebook_size) int64 code -> token id map.
+            max_tokens: when given, drop the oldest items until the prompt fits.
+
+        Raises:
+            XgrError: empty history, unknown item ids (all of them named), or a prompt that
+                cannot fit ``max_tokens`` even with a single item.
+        """
+        items = [str(i) for i in history]
+        if not items:
+            raise XgrError("empty history: at least one item is needed")
+        unknown = [i for i in items if i not in catalog.item_index]
+        if unknown:
+            raise XgrError(f"unknown item ids: {unknown[:20]}")
+        if self.max_history_items is not None:
+            items = items[-self.max_history_items :]
+        per_item = catalog.num_levels
+        fixed = len(self.prefix) + len(self.suffix)
+        if max_tokens is not None:
+            room = (max_tokens - fixed) // per_item
+            if room < 1:
+                raise XgrError(f"a prompt of one item needs {fixed + per_item} tokens")
+            items = items[-room:]
+        rows = np.array([catalog.item_index[i] for i in items])
+        codes = catalog.codes[rows]  # [items, levels]
+        tokens = sid_token_ids[np.arange(per_item)[None, :], codes].reshape(-1)
+        return [*self.prefix, *tokens.tolist(), *self.suffix]
+
+    def num_tokens(self, num_items: int, num_levels: int) -> int:
+        """Prompt length (tokens) for a history of ``num_items`` items."""
+        if self.max_history_items is not None:
+            num_items = min(num_items, self.max_history_items)
+        return len(self.prefix) + num_items * num_levels + len(self.suffix)

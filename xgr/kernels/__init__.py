@@ -1,0 +1,1 @@
+"""Attention kernels; each op has a plain-torch reference the fast kernels are tested against."""

@@ -1,0 +1,5 @@
+"""KV-cache layouts: the shared prompt KV and the per-beam unshared KV."""
+
+from xgr.kv.cache import BeamKV, SharedKV
+
+__all__ = ["BeamKV", "SharedKV"]

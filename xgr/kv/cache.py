@@ -1,0 +1,102 @@
+"""KV storage of a batch: the shared prompt KV and the beams' unshared KV.
+
+For a batch of R requests with beam width B (N = R * B beam rows):
+
+- ``SharedKV`` holds every request's prompt KV once, packed along the token axis in
+  request order; request r owns tokens ``cu_seqlens[r]:cu_seqlens[r + 1]``. Decode steps
+  read it for all beams of the request and never copy it per beam.
+- ``BeamKV`` holds each beam's own generated tokens, token-granular, at most
+  ``capacity`` (the number of levels) per beam. Row ``r * B + b`` is beam b of request r.
+  After beam selection the rows are reordered in place by the parents' rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SharedKV:
+    """Prompt KV of a batch, stored once per request.
+
+    Attributes:
+        k, v: (num_layers, total_prompt_tokens, num_kv_heads, head_dim), model dtype.
+        cu_seqlens: (R + 1,) int64 token offsets of each request, on the KV's device.
+        seqlens: prompt length (tokens) of each request, on the host.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    cu_seqlens: torch.Tensor
+    seqlens: list[int]
+
+    @classmethod
+    def allocate(
+        cls,
+        num_layers: int,
+        seqlens: list[int],
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> SharedKV:
+        total = sum(seqlens)
+        shape = (num_layers, total, num_kv_heads, head_dim)
+        cu = torch.zeros(len(seqlens) + 1, dtype=torch.int64)
+        cu[1:] = torch.cumsum(torch.tensor(seqlens, dtype=torch.int64), 0)
+        return cls(
+            torch.empty(shape, dtype=dtype, device=device),
+            torch.empty(shape, dtype=dtype, device=device),
+            cu.to(device),
+            list(seqlens),
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+@dataclass
+class BeamKV:
+    """Unshared KV of every beam of a batch.
+
+    Attributes:
+        k, v: (num_layers, N, capacity, num_kv_heads, head_dim), model dtype; slot t holds
+            the beam's t-th generated token.
+        length: slots written so far (the same for every beam: decoding is fixed-step).
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    length: int = 0
+
+    @classmethod
+    def allocate(
+        cls,
+        num_layers: int,
+        num_rows: int,
+        capacity: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> BeamKV:
+        shape = (num_layers, num_rows, capacity, num_kv_heads, head_dim)
+        return cls(
+            torch.empty(shape, dtype=dtype, device=device),
+            torch.empty(shape, dtype=dtype, device=device),
+        )
+
+    def reorder(self, parent_rows: torch.Tensor) -> None:
+        """Make row i hold the KV of row ``parent_rows[i]``, in place, for the written slots.
+
+        Args:
+            parent_rows: (N,) int64 source row of each beam row.
+        """
+        if self.length == 0:
+            return
+        for cache in (self.k, self.v):
+            written = cache[:, :, : self.length]
+            written.copy_(written.index_select(1, parent_rows))

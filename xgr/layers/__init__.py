@@ -1,0 +1,1 @@
+"""Transformer building blocks running on xgr's KV layout."""

@@ -1,0 +1,111 @@
+"""The attention layer of a decoder-only model, on xgr's shared / unshared KV layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from xgr.kernels.decode_attention import decode_attention_reference
+from xgr.kernels.prefill_attention import prefill_attention_reference
+from xgr.kv import BeamKV, SharedKV
+from xgr.layers.norm import RMSNorm
+from xgr.layers.rotary import apply_rope
+
+
+@dataclass
+class PrefillMetadata:
+    """Per-forward metadata of a prefill over packed prompts.
+
+    Attributes:
+        shared: where each layer writes the prompt KV (one row per prompt token).
+        cu_seqlens: R + 1 host ints, token offsets of each prompt in the packed batch.
+    """
+
+    shared: SharedKV
+    cu_seqlens: list[int]
+
+
+@dataclass
+class DecodeMetadata:
+    """Per-step metadata of a decode step over all beams of a batch.
+
+    Attributes:
+        shared: the batch's prompt KV (read, never written, during decode).
+        beam: the beams' unshared KV; each layer writes slot ``beam.length``.
+        cu_seqlens: R + 1 host ints, prompt offsets.
+        beam_width: beam rows per request (rows are request-major).
+    """
+
+    shared: SharedKV
+    beam: BeamKV
+    cu_seqlens: list[int]
+    beam_width: int
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with RoPE and optional per-head q/k RMSNorm (Qwen3).
+
+    Parameter names follow the Hugging Face checkpoints (q_proj, k_proj, v_proj, o_proj,
+    q_norm, k_norm) so their state dicts load as they are.
+    """
+
+    def __init__(self, cfg, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        self.scale = cfg.head_dim**-0.5
+        hidden, q_dim, kv_dim = (
+            cfg.hidden_size,
+            cfg.num_heads * cfg.head_dim,
+            cfg.num_kv_heads * cfg.head_dim,
+        )
+        self.q_proj = nn.Linear(hidden, q_dim, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(hidden, kv_dim, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(hidden, kv_dim, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q_dim, hidden, bias=cfg.o_proj_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: PrefillMetadata | DecodeMetadata,
+    ) -> torch.Tensor:
+        """x: (T, hidden) tokens (prompt tokens, or one per beam); returns (T, hidden)."""
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        layer = self.layer_index
+        if isinstance(meta, PrefillMetadata):
+            meta.shared.k[layer].copy_(k)
+            meta.shared.v[layer].copy_(v)
+            out = prefill_attention_reference(q, k, v, meta.cu_seqlens, self.scale)
+        else:
+            slot = meta.beam.length
+            meta.beam.k[layer, :, slot] = k
+            meta.beam.v[layer, :, slot] = v
+            out = decode_attention_reference(
+                q,
+                meta.shared.k[layer],
+                meta.shared.v[layer],
+                meta.cu_seqlens,
+                meta.beam.k[layer, :, : slot + 1],
+                meta.beam.v[layer, :, : slot + 1],
+                meta.beam_width,
+                self.scale,
+            )
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))

@@ -1,0 +1,81 @@
+"""Decoder-only causal LM (Qwen2, Qwen3, Llama) as xgr modules.
+
+Module and parameter names mirror the Hugging Face implementations so checkpoints load
+without renaming; attention runs on xgr's shared / unshared KV layout instead of HF's cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from xgr.layers.attention import Attention, DecodeMetadata, PrefillMetadata
+from xgr.layers.mlp import GatedMLP
+from xgr.layers.norm import RMSNorm
+from xgr.layers.rotary import rope_cos_sin
+from xgr.models.config import DecoderConfig
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: DecoderConfig, layer_index: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_index)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias)
+
+    def forward(self, x, cos, sin, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """Embedding, layers and final norm (HF's ``model.`` prefix)."""
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM whose forward fills xgr's KV layout.
+
+    Args:
+        cfg: the model's shape and numerics.
+    """
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderStack(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: PrefillMetadata | DecodeMetadata,
+    ) -> torch.Tensor:
+        """Run the layers over a packed set of tokens.
+
+        Args:
+            input_ids: (T,) int64 token ids (all prompt tokens, or one token per beam).
+            positions: (T,) int64 position of each token in its sequence.
+            meta: prefill (writes the shared KV) or decode (writes the beams' KV) metadata.
+
+        Returns:
+            (T, hidden_size) final hidden states in the model dtype.
+        """
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, meta)
+        return self.model.norm(x)
+
+    def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden_size) -> (N, vocab_size) float32 log-softmax over the full vocabulary."""
+        return torch.log_softmax(self.lm_head(hidden).float(), dim=-1)

@@ -1,0 +1,93 @@
+"""The map from semantic-ID codes to vocabulary token ids."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from xgr.catalog import ItemCatalog
+from xgr.core import XgrError
+
+
+def tokenizer_vocab(model_dir: str | Path) -> dict[str, int]:
+    """Token string -> id from a HF folder's ``tokenizer.json`` and ``tokenizer_config.json``.
+
+    Reads the model vocabulary (when it is a dict), the added tokens and
+    ``added_tokens_decoder``; returns an empty dict when the folder has no tokenizer files.
+    """
+    vocab: dict[str, int] = {}
+    model_dir = Path(model_dir)
+    tok_file = model_dir / "tokenizer.json"
+    if tok_file.exists():
+        data = json.loads(tok_file.read_text())
+        model_vocab = (data.get("model") or {}).get("vocab")
+        if isinstance(model_vocab, dict):
+            vocab.update(model_vocab)
+        vocab.update({t["content"]: t["id"] for t in data.get("added_tokens", [])})
+    cfg_file = model_dir / "tokenizer_config.json"
+    if cfg_file.exists():
+        decoder = json.loads(cfg_file.read_text()).get("added_tokens_decoder", {})
+        vocab.update({t["content"]: int(i) for i, t in decoder.items()})
+    return vocab
+
+
+def sid_token_ids_from_tokenizer(model_dir: str | Path, catalog: ItemCatalog) -> np.ndarray:
+    """Find each code's token id by its name (``<a_12>``) in the folder's tokenizer.
+
+    Returns:
+        (num_levels, codebook_size) int64; -1 for codes the tokenizer lacks and no item uses.
+
+    Raises:
+        XgrError: no tokenizer in the folder, or a code used by the catalog has no token.
+    """
+    vocab = tokenizer_vocab(model_dir)
+    if not vocab:
+        raise XgrError(
+            f"{model_dir} has no tokenizer to find the semantic-ID tokens in; pass sid_token_ids"
+        )
+    table = np.full((catalog.num_levels, catalog.codebook_size), -1, dtype=np.int64)
+    for level, letter in enumerate(catalog.level_names):
+        for code in range(catalog.codebook_size):
+            table[level, code] = vocab.get(f"<{letter}_{code}>", -1)
+    return table
+
+
+def validate_sid_token_ids(table: Any, catalog: ItemCatalog, vocab_size: int) -> np.ndarray:
+    """Check a code -> token id map against the catalog and the model's vocabulary.
+
+    Args:
+        table: int array-like (num_levels, codebook_size) of token ids (-1 for unused codes).
+        catalog: the catalog served.
+        vocab_size: the model's vocabulary size.
+
+    Returns:
+        The table as (num_levels, codebook_size) int64.
+
+    Raises:
+        XgrError: levels differ from the catalog's, the codebook is smaller than the catalog's,
+            or a code used by the catalog maps outside the vocabulary.
+    """
+    table = np.asarray(table, dtype=np.int64)
+    if table.ndim != 2 or table.shape[0] != catalog.num_levels:
+        raise XgrError(
+            f"sid_token_ids has shape {table.shape}; the catalog has {catalog.num_levels} levels"
+        )
+    if table.shape[1] < catalog.codebook_size:
+        raise XgrError(
+            f"sid_token_ids covers {table.shape[1]} codes per level; the catalog uses codes up to "
+            f"{catalog.codebook_size - 1}"
+        )
+    used = np.zeros(table.shape, dtype=bool)
+    for level in range(catalog.num_levels):
+        used[level, np.unique(catalog.codes[:, level])] = True
+    bad = used & ((table < 0) | (table >= vocab_size))
+    if bad.any():
+        level, code = (int(i) for i in np.argwhere(bad)[0])
+        raise XgrError(
+            f"code {code} of level {level} (<{catalog.level_names[level]}_{code}>) maps to token "
+            f"id {int(table[level, code])}, outside the vocabulary of {vocab_size}"
+        )
+    return table
