@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -63,3 +65,75 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
         write_random_model(path, arch, seed=i)
         dirs[arch] = path
     return dirs
+
+
+def write_code_tokenizer(path: Path, num_levels: int, codebook: int, offset: int) -> None:
+    """A word-level tokenizer: ``<t0>``..``<t{offset-1}>`` then ``<a_0>``.. at sequential ids."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"<t{i}>": i for i in range(offset)}
+    letters = "abcdefgh"
+    for level in range(num_levels):
+        for code in range(codebook):
+            vocab[f"<{letters[level]}_{code}>"] = offset + level * codebook + code
+    tok = Tokenizer(WordLevel(vocab, unk_token="<t0>"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
+
+
+@pytest.fixture(scope="session")
+def served_model_dir(tmp_path_factory) -> Path:
+    """A qwen2 folder with tokenizer, catalog (300 items, 3 x 16) and prompt format."""
+    import json
+
+    path = tmp_path_factory.mktemp("served")
+    write_random_model(path, "qwen2", seed=7)
+    write_code_tokenizer(path, 3, 16, 8)
+    catalog = random_catalog(300, 3, 16, seed=21)
+    catalog.to_index_json(path / "catalog.index.json")
+    catalog.write_model_metadata(path)
+    (path / "xgr_prompt.json").write_text(
+        json.dumps({"prefix_tokens": ["<t1>"], "max_history_items": 20})
+    )
+    (path / "items.json").write_text(json.dumps({i: f"Title of {i}" for i in catalog.item_ids}))
+    return path
+
+
+@contextlib.contextmanager
+def live_server(app) -> Iterator[str]:
+    """Serve ``app`` with uvicorn on a free 127.0.0.1 port in a thread; yields the base URL."""
+    import socket
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", backlog=512)
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/ready", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    else:
+        server.should_exit = True
+        raise RuntimeError("the test server did not become ready")
+    try:
+        yield base
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

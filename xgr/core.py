@@ -19,6 +19,10 @@ class XgrError(ValueError):
     """Bad input to xgr: the message names the argument and what was wrong with it."""
 
 
+class PromptTooLongError(XgrError):
+    """A prompt longer than the model accepts (the server answers 413)."""
+
+
 @dataclass(frozen=True)
 class Recommendation:
     """One recommended item.

@@ -8,7 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import random_catalog, sequential_sid_map, write_random_model
+from tests.conftest import (
+    random_catalog,
+    sequential_sid_map,
+    write_code_tokenizer,
+    write_random_model,
+)
 from xgr import Engine, ItemCatalog, XgrError
 
 OFFSET = 8
@@ -181,19 +186,8 @@ def test_catalog_fingerprint_is_checked(tmp_path):
 
 def test_catalog_and_code_map_found_in_the_folder(tmp_path):
     """Default catalog file and code tokens named like the catalog's codes in tokenizer.json."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-    from transformers import PreTrainedTokenizerFast
-
     catalog = random_catalog(60, 3, 16, seed=12)
-    vocab = {f"<t{i}>": i for i in range(OFFSET)}
-    vocab.update(
-        {f"<{'abc'[lvl]}_{c}>": OFFSET + lvl * 16 + c for lvl in range(3) for c in range(16)}
-    )
-    tok = Tokenizer(WordLevel(vocab, unk_token="<t0>"))
-    tok.pre_tokenizer = WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(tmp_path)
+    write_code_tokenizer(tmp_path, 3, 16, OFFSET)
     write_random_model(tmp_path, "qwen2")
     catalog.to_index_json(tmp_path / "catalog.index.json")
     engine = Engine.from_pretrained(tmp_path)

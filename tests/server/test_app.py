@@ -1,33 +1,59 @@
-"""The HTTP API through FastAPI's TestClient."""
+"""Every endpoint and every error of the HTTP API, through FastAPI's TestClient."""
 
 from __future__ import annotations
 
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import random_catalog, sequential_sid_map
 from xgr import Engine
-from xgr.engine.prompt import PromptFormat
 from xgr.server.app import create_app
+from xgr.server.config import ServerConfig
 
 
 @pytest.fixture(scope="module")
-def engine(model_dirs):
-    catalog = random_catalog(300, 3, 16, seed=21)
-    sid_map = sequential_sid_map(3, 16, 8)
-    engine = Engine.from_pretrained(model_dirs["qwen2"], catalog=catalog, sid_token_ids=sid_map)
-    engine.prompt_format = PromptFormat(prefix=(1,), max_history_items=20)
-    return engine
+def engine(served_model_dir):
+    return Engine.from_pretrained(served_model_dir)
 
 
 @pytest.fixture(scope="module")
-def client(engine):
-    titles = {item: f"Title of {item}" for item in engine.catalog.item_ids}
-    return TestClient(create_app(engine, titles))
+def titles(engine):
+    return {item: f"Title of {item}" for item in engine.catalog.item_ids}
 
 
-def test_health(client):
+@pytest.fixture(scope="module")
+def client(engine, titles):
+    config = ServerConfig(max_beam_width=128, max_body_bytes=64 * 1024)
+    with TestClient(create_app(engine, titles, config)) as client:
+        yield client
+
+
+def metric_values(client) -> dict[tuple[str, tuple], float]:
+    text = client.get("/metrics").text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_health_ready_models(client, engine):
     assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/ready").json() == {"status": "ready"}
+    (card,) = client.get("/v1/models").json()["data"]
+    assert card["id"] == engine.name
+    assert (card["num_items"], card["num_semantic_ids"], card["num_levels"]) == (
+        300,
+        engine.catalog.num_semantic_ids,
+        3,
+    )
+    assert card["max_prompt_tokens"] == 254
+
+
+def test_not_ready_before_warm_up(engine):
+    client = TestClient(create_app(engine))  # no lifespan: no warm-up has run
+    assert client.get("/ready").status_code == 503
+    assert client.get("/health").status_code == 200
 
 
 def test_recommend_matches_engine(client, engine):
@@ -36,29 +62,33 @@ def test_recommend_matches_engine(client, engine):
     response = client.post("/v1/recommend", json=body)
     assert response.status_code == 200, response.text
     data = response.json()
-    assert data["request_id"] == "r1"
-    prompt = engine.history_prompt(history)
+    assert data["request_id"] == "r1" and data["model"] == engine.name
+    prompt = engine.history_prompt(["item3", "item17", "item250"])
     assert prompt[0] == 1 and len(prompt) == 1 + 3 * 3
     (expected,) = engine.recommend(
-        [prompt], beam_width=16, top_k=16, num_results=5, exclude_item_ids=[set(history)]
+        [prompt],
+        beam_width=16,
+        top_k=16,
+        num_results=5,
+        exclude_item_ids=[{"item3", "item17", "item250"}],
     )
     assert [i["item_id"] for i in data["items"]] == [r.item_id for r in expected.items]
+    assert [i["score"] for i in data["items"]] == pytest.approx([r.score for r in expected.items])
     first = data["items"][0]
     assert first["title"] == f"Title of {first['item_id']}"
     assert first["semantic_id"] == engine.catalog.format_semantic_id(expected.items[0].semantic_id)
-    assert not set(history) & {i["item_id"] for i in data["items"]}
     timings = data["timings"]
-    assert timings["total_ms"] >= timings["prefill_ms"] > 0
+    assert timings["total_ms"] >= timings["prefill_ms"] > 0 and timings["queue_ms"] >= 0
 
 
-def test_semantic_id_and_integer_history(client, engine):
+def test_semantic_id_history_equals_item_history(client, engine):
     sid = engine.catalog.format_semantic_id(engine.catalog.codes_of("item5"))
     by_sid = client.post("/v1/recommend", json={"history": [sid], "beam_width": 16}).json()
     by_id = client.post("/v1/recommend", json={"history": ["item5"], "beam_width": 16}).json()
     assert [i["item_id"] for i in by_sid["items"]] == [i["item_id"] for i in by_id["items"]]
 
 
-def test_exclude_history_false_keeps_history_items(client):
+def test_exclude_history(client):
     top = client.post("/v1/recommend", json={"history": ["item1"], "beam_width": 16}).json()
     best = top["items"][0]["item_id"]
     kept = client.post(
@@ -66,31 +96,155 @@ def test_exclude_history_false_keeps_history_items(client):
     ).json()
     excluded = client.post("/v1/recommend", json={"history": [best], "beam_width": 16}).json()
     assert best not in {i["item_id"] for i in excluded["items"]}
-    assert len(kept["items"]) >= len(excluded["items"])
+    assert len({i["item_id"] for i in kept["items"]}) == len(kept["items"])
+
+
+def test_long_history_is_capped_by_the_prompt_format(client):
+    history = [f"item{i}" for i in range(100)]
+    ok = client.post("/v1/recommend", json={"history": history, "beam_width": 8, "num_results": 2})
+    assert ok.status_code == 200  # 20 most recent items: 61 tokens
+
+
+def test_prompt_too_long_is_413_or_truncated(served_model_dir):
+    engine = Engine.from_pretrained(served_model_dir)
+    engine.prompt_format = type(engine.prompt_format)(prefix=(1,))  # no history cap
+    history = [f"item{i % 300}" for i in range(120)]  # 361 tokens > 254
+    with TestClient(create_app(engine)) as client:
+        body = {"history": history, "beam_width": 8, "num_results": 2, "exclude_history": False}
+        too_long = client.post("/v1/recommend", json=body)
+        assert too_long.status_code == 413
+        assert "exceeds the model's limit of 254" in too_long.json()["error"]
+        cut = client.post("/v1/recommend", json={**body, "truncate_history": True})
+        assert cut.status_code == 200
+        newest = history[-84:]  # (254 - 1) // 3 items fit
+        alone = client.post("/v1/recommend", json={**body, "history": newest})
+        assert [i["item_id"] for i in cut.json()["items"]] == [
+            i["item_id"] for i in alone.json()["items"]
+        ]
+
+
+def test_deadline_passed_in_queue_is_504(client):
+    body = {"history": ["item1"], "beam_width": 8, "num_results": 2, "deadline_ms": 0.001}
+    response = client.post("/v1/recommend", json=body)
+    assert response.status_code == 504
+    assert "deadline" in response.json()["error"]
+
+
+def test_completions_with_text_and_token_ids(client, engine):
+    text = "<t1> <a_3> <b_4> <c_5>"
+    ids = [1, 8 + 3, 8 + 16 + 4, 8 + 32 + 5]
+    by_text = client.post("/v1/completions", json={"prompt": text, "n": 4, "beam_width": 16})
+    assert by_text.status_code == 200, by_text.text
+    data = by_text.json()
+    (expected,) = engine.recommend([ids], beam_width=16, top_k=16, num_results=4)
+    assert [c["text"] for c in data["choices"]] == [
+        engine.catalog.format_semantic_id(codes) for codes, _ in expected.semantic_ids
+    ]
+    assert [c["index"] for c in data["choices"]] == [0, 1, 2, 3]
+    first = data["choices"][0]
+    assert first["finish_reason"] == "length"
+    codes = expected.semantic_ids[0][0]
+    assert first["item_ids"] == engine.catalog.items_of_semantic_id(
+        engine.catalog.find_semantic_id(codes)
+    )
+    assert data["usage"] == {"prompt_tokens": 4, "completion_tokens": 12, "total_tokens": 16}
+    by_ids = client.post(
+        "/v1/completions", json={"prompt": ids, "n": 4, "beam_width": 16, "max_tokens": 3}
+    ).json()
+    assert [c["text"] for c in by_ids["choices"]] == [c["text"] for c in data["choices"]]
+
+
+def test_completions_with_several_prompts(client):
+    prompts = [[1, 11, 28], [1, 12]]
+    data = client.post("/v1/completions", json={"prompt": prompts, "n": 2}).json()
+    assert len(data["choices"]) == 4
+    alone = client.post("/v1/completions", json={"prompt": prompts[1], "n": 2}).json()
+    assert [c["text"] for c in data["choices"][2:]] == [c["text"] for c in alone["choices"]]
+    assert data["usage"]["prompt_tokens"] == 5
+
+
+def test_metrics_move_with_traffic(client, engine):
+    before = metric_values(client)
+    for _ in range(3):
+        assert (
+            client.post("/v1/recommend", json={"history": ["item2"], "beam_width": 16}).status_code
+            == 200
+        )
+    after = metric_values(client)
+    label = (("model_name", engine.name),)
+    success = ("xgr:request_success_total", (("finished_reason", "length"), *label))
+    assert after[success] - before.get(success, 0) == 3
+    count = ("xgr:e2e_request_latency_seconds_count", label)
+    assert after[count] - before[count] == 3
+    for name in (
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "request_prompt_tokens",
+        "batch_size",
+    ):
+        assert after[(f"xgr:{name}_count", label)] >= 3
+    assert ("xgr:num_requests_running", label) in after
+    assert ("xgr:num_requests_waiting", label) in after
+    assert (
+        after[("xgr:request_prompt_tokens_sum", label)]
+        - before[("xgr:request_prompt_tokens_sum", label)]
+        == 3 * 4
+    )
 
 
 @pytest.mark.parametrize(
-    ("body", "status", "fragment"),
+    ("path", "body", "status", "fragment"),
     [
-        ({"history": ["nope", "item1", 12345]}, 400, "nope"),
-        ({"history": ["<a_99><b_1><c_1>"]}, 400, "<a_99><b_1><c_1>"),
-        ({"history": ["<a_1>"]}, 400, "<a_1>"),
-        ({"history": []}, 422, "history"),
-        ({"history": ["item1"], "beam_width": 0}, 422, "beam_width"),
-        ({"history": ["item1"], "beam_width": 4, "num_results": 5}, 400, "num_results"),
-        ({"history": ["item1"], "colour": "red"}, 422, "colour"),
-        ({"history": "item1"}, 422, "history"),
+        ("/v1/recommend", {"history": ["nope", "item1", 12345]}, 400, "'nope', '12345'"),
+        ("/v1/recommend", {"history": ["<a_99><b_1><c_1>"]}, 400, "<a_99><b_1><c_1>"),
+        ("/v1/recommend", {"history": ["<a_1>"]}, 400, "<a_1>"),
+        ("/v1/recommend", {"history": []}, 422, "history"),
+        ("/v1/recommend", {"history": ["item1"], "beam_width": 0}, 422, "beam_width"),
+        ("/v1/recommend", {"history": ["item1"], "beam_width": 129}, 400, "limit 128"),
+        (
+            "/v1/recommend",
+            {"history": ["item1"], "beam_width": 4, "num_results": 5},
+            400,
+            "num_results",
+        ),
+        ("/v1/recommend", {"history": ["item1"], "colour": "red"}, 422, "colour"),
+        ("/v1/recommend", {"history": "item1"}, 422, "history"),
+        ("/v1/recommend", {"history": [1.5]}, 422, "history"),
+        ("/v1/recommend", {"history": ["item1"], "beam_width": "wide"}, 422, "beam_width"),
+        ("/v1/completions", {"prompt": [1, 2], "max_tokens": 4}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": [1, 2], "model": "other"}, 404, "other"),
+        ("/v1/completions", {"prompt": [1, 2], "use_beam_search": False}, 400, "beam search"),
+        ("/v1/completions", {"prompt": []}, 400, "empty"),
+        ("/v1/completions", {"prompt": [[1], []]}, 400, "prompt 1 is empty"),
+        ("/v1/completions", {"prompt": [1, 96]}, 400, "token ids"),
+        ("/v1/completions", {"prompt": [1], "n": 3, "beam_width": 2}, 400, "num_results"),
+        ("/v1/completions", {"prompt": [1] * 300}, 413, "exceeds"),
+        ("/v1/completions", {"prompt": {"a": 1}}, 422, "prompt"),
     ],
 )
-def test_bad_requests_get_4xx_with_a_reason(client, body, status, fragment):
-    response = client.post("/v1/recommend", json=body)
+def test_bad_requests_get_4xx_with_a_reason(client, path, body, status, fragment):
+    response = client.post(path, json=body)
     assert response.status_code == status, response.text
     assert fragment in response.text
 
 
-def test_malformed_json(client):
+def test_malformed_json_and_huge_body(client):
     response = client.post(
         "/v1/recommend", content=b"{not json", headers={"content-type": "application/json"}
     )
     assert response.status_code == 422
     assert response.json()["error"] == "invalid request body"
+    huge = {"history": ["item1"] * 20_000}
+    response = client.post("/v1/recommend", json=huge)
+    assert response.status_code == 413
+    assert "exceeds 65536 bytes" in response.json()["error"]
+
+    def chunks():
+        for _ in range(100):
+            yield b" " * 1024
+
+    response = client.post(
+        "/v1/recommend", content=chunks(), headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 413

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from xgr.catalog import CATALOG_METADATA_FILE, ItemCatalog
-from xgr.core import Recommendation, RecommendResult, SearchParams, XgrError
+from xgr.core import PromptTooLongError, Recommendation, RecommendResult, SearchParams, XgrError
 from xgr.engine.generate import generate_semantic_ids
 from xgr.engine.prompt import PromptFormat
 from xgr.models import CausalLM, load_causal_lm
@@ -133,7 +133,7 @@ class Engine:
         if not tokens:
             raise XgrError("empty prompt: at least one token is needed")
         if len(tokens) > self.max_prompt_tokens:
-            raise XgrError(
+            raise PromptTooLongError(
                 f"prompt of {len(tokens)} tokens exceeds the model's limit of "
                 f"{self.max_prompt_tokens} (max positions minus generated codes)"
             )
@@ -147,7 +147,7 @@ class Engine:
         prompts: Sequence[Prompt],
         beam_width: int = 64,
         top_k: int = 64,
-        num_results: int = 10,
+        num_results: int | Sequence[int] = 10,
         exclude_item_ids: Sequence[Iterable[Any]] | None = None,
     ) -> list[RecommendResult]:
         """Recommend items for each prompt.
@@ -156,8 +156,9 @@ class Engine:
             prompts: token-id lists, or strings when the model folder has a tokenizer.
             beam_width: beams kept per decode step.
             top_k: candidates per beam per step.
-            num_results: semantic IDs returned per prompt, best first; each brings all its
-                (non-excluded) items, so collisions can make ``items`` longer.
+            num_results: semantic IDs returned per prompt (one int, or one per prompt), best
+                first; each brings all its (non-excluded) items, so collisions can make
+                ``items`` longer.
             exclude_item_ids: per prompt, item ids to leave out of ``items`` (e.g. the
                 history); semantic IDs whose items are all excluded are skipped and the next
                 best of the beam_width final beams are taken instead.
@@ -166,11 +167,17 @@ class Engine:
             One ``RecommendResult`` per prompt, in order.
 
         Raises:
-            XgrError: bad search parameters or prompts (empty, too long, out-of-vocab ids).
+            XgrError: bad search parameters or prompts (empty, out-of-vocab ids).
+            PromptTooLongError: a prompt longer than ``max_prompt_tokens``.
         """
-        params = SearchParams(beam_width, top_k, num_results)
         if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence):
             raise XgrError("prompts must be a list of prompts")
+        if isinstance(num_results, int):
+            num_results = [num_results] * len(prompts)
+        if len(num_results) != len(prompts):
+            raise XgrError("num_results needs one entry per prompt")
+        SearchParams(beam_width, top_k, 1)  # beam_width and top_k, even for no prompts
+        params = [SearchParams(beam_width, top_k, n) for n in num_results]
         tokenized = [self.tokenize(p) for p in prompts]
         if exclude_item_ids is not None and len(exclude_item_ids) != len(prompts):
             raise XgrError("exclude_item_ids needs one entry per prompt")
@@ -183,7 +190,7 @@ class Engine:
         results = []
         for i, tokens in enumerate(tokenized):
             excluded = {str(x) for x in exclude_item_ids[i]} if exclude_item_ids else set()
-            result = self._result(sid_index[i], scores[i], params, excluded)
+            result = self._result(sid_index[i], scores[i], params[i].num_results, excluded)
             result.prompt_tokens = len(tokens)
             result.prefill_ms, result.decode_ms = out.prefill_ms, out.decode_ms
             results.append(result)
@@ -193,7 +200,7 @@ class Engine:
         self,
         sid_index: np.ndarray,
         scores: np.ndarray,
-        params: SearchParams,
+        num_results: int,
         excluded: set[str],
     ) -> RecommendResult:
         result = RecommendResult()
@@ -202,9 +209,9 @@ class Engine:
             if score == float("-inf"):
                 break
             codes = tuple(int(c) for c in self.catalog.semantic_ids[sid])
-            if len(result.semantic_ids) < params.num_results:
+            if len(result.semantic_ids) < num_results:
                 result.semantic_ids.append((codes, score))
-            if taken == params.num_results:
+            if taken == num_results:
                 continue
             items = [i for i in self.catalog.items_of_semantic_id(sid) if i not in excluded]
             result.items.extend(Recommendation(i, score, codes) for i in items)

@@ -1,7 +1,9 @@
-"""The HTTP server: FastAPI routes over one ``Engine``.
+"""The HTTP API: FastAPI routes over one ``Engine`` through the batching queue.
 
-Engine calls run in a worker thread, one at a time (the engine is not re-entrant), so the
-event loop keeps answering health checks while a batch computes.
+Routes: ``POST /v1/recommend``, ``POST /v1/completions`` (OpenAI shape), ``GET /v1/models``,
+``GET /health`` (liveness), ``GET /ready`` (200 once a warm-up generation has run),
+``GET /metrics`` (Prometheus). Errors: 400 bad input, 404 unknown model, 413 body or prompt
+too long, 422 body not matching the schema, 504 deadline passed before the batch started.
 """
 
 from __future__ import annotations
@@ -9,101 +11,168 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from xgr.core import XgrError
+from xgr.catalog import resolve_history
+from xgr.core import PromptTooLongError, XgrError
 from xgr.engine import Engine
+from xgr.scheduler import DeadlineExceededError, QueuedRequest, RequestBatcher, ServingMetrics
+from xgr.server.completions import completion_prompts, completion_response
+from xgr.server.config import BodySizeLimit, ServerConfig
 from xgr.server.schemas import (
+    CompletionRequest,
+    CompletionResponse,
     ErrorResponse,
-    HealthResponse,
+    ModelCard,
+    ModelList,
     RecommendedItem,
     RecommendRequest,
     RecommendResponse,
+    StatusResponse,
     Timings,
 )
 
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorResponse, "description": "Invalid request (the message says why)."},
-    422: {"model": ErrorResponse, "description": "Body does not match the schema."},
+
+class ModelNotFoundError(XgrError):
+    """A completion names a model this server does not serve (404)."""
+
+
+def _error(description: str) -> dict[str, Any]:
+    return {"model": ErrorResponse, "description": description}
+
+
+POST_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: _error("Invalid request: the message says what and where."),
+    413: _error("Request body or prompt too long."),
+    422: _error("Body does not match the schema."),
+    504: _error("The deadline passed before the request could start."),
 }
+STATUS_OF = {ModelNotFoundError: 404, PromptTooLongError: 413, DeadlineExceededError: 504}
 
 
-def resolve_history(engine: Engine, history: list[str | int]) -> tuple[list[str], set[str]]:
-    """History entries -> (item ids for the prompt, item ids to exclude).
+def create_app(
+    engine: Engine, titles: dict[str, str] | None = None, config: ServerConfig | None = None
+) -> FastAPI:
+    """The FastAPI app serving ``engine``.
 
-    A semantic-ID string stands for its items: the first one (in catalog order) builds the
-    prompt, and all of them are excluded.
-
-    Raises:
-        XgrError: entries that are neither catalog item ids nor catalog semantic IDs.
+    Args:
+        engine: the engine (its model and catalog).
+        titles: item id -> title, added to recommended items when present.
+        config: limits and defaults.
     """
-    catalog = engine.catalog
-    prompt_items: list[str] = []
-    excluded: set[str] = set()
-    unknown = []
-    for entry in history:
-        text = str(entry)
-        if text in catalog.item_index:
-            prompt_items.append(text)
-            excluded.add(text)
-        elif text.startswith("<"):
-            try:
-                codes = catalog.parse_semantic_id(text)
-            except XgrError:
-                unknown.append(text)
-                continue
-            items = catalog.items_of_semantic_id(catalog.find_semantic_id(codes))
-            prompt_items.append(items[0])
-            excluded.update(items)
-        else:
-            unknown.append(text)
-    if unknown:
-        raise XgrError(f"unknown items in history: {unknown[:20]}")
-    return prompt_items, excluded
-
-
-def create_app(engine: Engine, titles: dict[str, str] | None = None) -> FastAPI:
-    """The FastAPI app serving ``engine``; ``titles`` (item id -> title) fill responses."""
     titles = titles or {}
-    app = FastAPI(title="xgr", summary="Generative recommendation by constrained beam search")
-    lock = asyncio.Lock()
+    config = config or ServerConfig()
+    metrics = ServingMetrics(engine.name)
+    batcher = RequestBatcher(engine, config.max_batch_size, metrics)
+    state = {"ready": False, "started": int(time.time())}
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        batcher.start()
+        # /ready turns 200 only after one real generation: the first request pays no warm-up.
+        first_item = engine.catalog.item_ids[0]
+        await batcher.submit(QueuedRequest(engine.history_prompt([first_item], True), 1, 1, 1))
+        state["ready"] = True
+        yield
+        state["ready"] = False
+        await batcher.stop()
+
+    app = FastAPI(
+        title="xgr",
+        summary="Generative recommendation by catalog-constrained beam search",
+        lifespan=lifespan,
+    )
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
 
     @app.exception_handler(XgrError)
     async def bad_input(_: Request, exc: XgrError) -> JSONResponse:
-        return JSONResponse(status_code=400, content={"error": str(exc)})
+        status = next((s for cls, s in STATUS_OF.items() if isinstance(exc, cls)), 400)
+        return JSONResponse(status_code=status, content={"error": str(exc)})
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Same body shape as every other error (unknown route, unparsable body, ...).
+        return JSONResponse(
+            status_code=exc.status_code, content={"error": str(exc.detail)}, headers=exc.headers
+        )
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
+        detail = [{"loc": [str(p) for p in e["loc"]], "msg": e["msg"]} for e in exc.errors()]
         return JSONResponse(
-            status_code=422, content={"error": "invalid request body", "detail": errors}
+            status_code=422, content={"error": "invalid request body", "detail": detail}
         )
 
-    @app.get("/health", response_model=HealthResponse)
-    async def health() -> HealthResponse:
-        return HealthResponse(status="ok")
+    def check_search(beam_width: int, num_results: int) -> None:
+        if beam_width > config.max_beam_width:
+            raise XgrError(
+                f"beam_width {beam_width} exceeds this server's limit {config.max_beam_width}"
+            )
+        if num_results > beam_width:
+            raise XgrError(f"num_results ({num_results}) must not exceed beam_width ({beam_width})")
 
-    @app.post("/v1/recommend", response_model=RecommendResponse, responses=ERROR_RESPONSES)
+    @app.get("/health", response_model=StatusResponse)
+    async def health() -> StatusResponse:
+        return StatusResponse(status="ok")
+
+    @app.get(
+        "/ready",
+        response_model=StatusResponse,
+        responses={503: {"model": StatusResponse, "description": "Still warming up."}},
+    )
+    async def ready() -> Any:
+        if state["ready"]:
+            return StatusResponse(status="ready")
+        return JSONResponse(status_code=503, content={"status": "starting"})
+
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text."}},
+    )
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        catalog = engine.catalog
+        card = ModelCard(
+            id=engine.name,
+            created=state["started"],
+            num_items=len(catalog),
+            num_semantic_ids=catalog.num_semantic_ids,
+            num_levels=catalog.num_levels,
+            max_prompt_tokens=engine.max_prompt_tokens,
+        )
+        return ModelList(data=[card])
+
+    @app.post("/v1/recommend", response_model=RecommendResponse, responses=POST_ERRORS)
     async def recommend(body: RecommendRequest) -> RecommendResponse:
         arrived = time.perf_counter()
-        items, excluded = resolve_history(engine, body.history)
-        prompt = engine.history_prompt(items)
         top_k = body.top_k or body.beam_width
-        async with lock:
-            started = time.perf_counter()
-            (result,) = await asyncio.to_thread(
-                engine.recommend,
-                [prompt],
-                beam_width=body.beam_width,
-                top_k=top_k,
-                num_results=body.num_results,
-                exclude_item_ids=[excluded if body.exclude_history else ()],
+        check_search(body.beam_width, body.num_results)
+        history = resolve_history(engine.catalog, body.history, titles)
+        prompt = engine.tokenize(engine.history_prompt(history.item_ids, body.truncate_history))
+        deadline = arrived + body.deadline_ms / 1e3 if body.deadline_ms else None
+        answer = await batcher.submit(
+            QueuedRequest(
+                prompt,
+                body.beam_width,
+                top_k,
+                body.num_results,
+                frozenset(history.excluded if body.exclude_history else ()),
+                deadline,
+                arrived,
             )
-        catalog = engine.catalog
+        )
+        result, times = answer.result, answer.times
         return RecommendResponse(
             request_id=body.request_id or uuid.uuid4().hex,
             model=engine.name,
@@ -111,17 +180,41 @@ def create_app(engine: Engine, titles: dict[str, str] | None = None) -> FastAPI:
                 RecommendedItem(
                     item_id=r.item_id,
                     score=r.score,
-                    semantic_id=catalog.format_semantic_id(r.semantic_id),
                     title=titles.get(r.item_id),
+                    semantic_id=engine.catalog.format_semantic_id(r.semantic_id),
                 )
                 for r in result.items
             ],
             timings=Timings(
-                queue_ms=(started - arrived) * 1e3,
-                prefill_ms=result.prefill_ms,
-                decode_ms=result.decode_ms,
+                queue_ms=times.queue * 1e3,
+                prefill_ms=times.prefill * 1e3,
+                decode_ms=times.decode * 1e3,
                 total_ms=(time.perf_counter() - arrived) * 1e3,
             ),
         )
+
+    @app.post(
+        "/v1/completions",
+        response_model=CompletionResponse,
+        responses={**POST_ERRORS, 404: _error("Unknown model.")},
+    )
+    async def completions(body: CompletionRequest) -> CompletionResponse:
+        if body.model is not None and body.model != engine.name:
+            raise ModelNotFoundError(
+                f"model {body.model!r} is not served here; this server serves {engine.name!r}"
+            )
+        if not body.use_beam_search:
+            raise XgrError("use_beam_search must be true: xgr decodes by beam search only")
+        levels = engine.catalog.num_levels
+        if body.max_tokens is not None and body.max_tokens != levels:
+            raise XgrError(f"max_tokens must equal the number of semantic-ID levels ({levels})")
+        beam_width = body.beam_width or body.best_of or max(body.n, config.default_beam_width)
+        check_search(beam_width, body.n)
+        prompts = [engine.tokenize(p) for p in completion_prompts(body.prompt)]
+        # All prompts of one completion are queued together, so they share a batch.
+        answers = await asyncio.gather(
+            *(batcher.submit(QueuedRequest(p, beam_width, beam_width, body.n)) for p in prompts)
+        )
+        return completion_response(engine, [a.result for a in answers], state["started"])
 
     return app

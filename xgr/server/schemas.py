@@ -1,11 +1,16 @@
-"""Request and response bodies of the HTTP API (pydantic)."""
+"""Request and response bodies of the HTTP API (pydantic); limits are the schema's bounds."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
+# Hard limits of the schema; a server may be configured tighter (ServerConfig).
 MAX_HISTORY_ITEMS = 10_000
-MAX_BEAM_WIDTH = 1024
+MAX_BEAM_WIDTH = 4096
+MAX_PROMPTS = 256
+MAX_PROMPT_TOKENS = 1_000_000
 
 
 class RecommendRequest(BaseModel):
@@ -14,18 +19,25 @@ class RecommendRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     history: list[str | int] = Field(
-        ...,
         min_length=1,
         max_length=MAX_HISTORY_ITEMS,
-        description="The user's items, oldest first: item ids, or semantic IDs like "
-        "'<a_1><b_2><c_3>'.",
+        description="The user's items, oldest first: item ids (strings or integers), or "
+        "semantic IDs like '<a_1><b_2><c_3>'.",
     )
     beam_width: int = Field(64, ge=1, le=MAX_BEAM_WIDTH, description="Beams per decode step.")
     top_k: int | None = Field(
         None, ge=1, le=MAX_BEAM_WIDTH, description="Candidates per beam; default beam_width."
     )
-    num_results: int = Field(10, ge=1, le=MAX_BEAM_WIDTH, description="Semantic IDs returned.")
+    num_results: int = Field(
+        10, ge=1, le=MAX_BEAM_WIDTH, description="Semantic IDs returned (<= beam_width)."
+    )
     exclude_history: bool = Field(True, description="Leave the history's items out.")
+    truncate_history: bool = Field(
+        False, description="Drop the oldest items when the prompt is too long (else 413)."
+    )
+    deadline_ms: float | None = Field(
+        None, gt=0, le=3_600_000, description="Answer 504 if not started within this time."
+    )
     request_id: str | None = Field(None, max_length=128)
 
 
@@ -37,7 +49,7 @@ class RecommendedItem(BaseModel):
 
 
 class Timings(BaseModel):
-    """Milliseconds spent by the request in each phase."""
+    """Milliseconds the request spent in each phase (prefill/decode: its batch's)."""
 
     queue_ms: float
     prefill_ms: float
@@ -52,12 +64,76 @@ class RecommendResponse(BaseModel):
     timings: Timings
 
 
-class HealthResponse(BaseModel):
+Prompt = str | list[int] | list[str] | list[list[int]]
+
+
+class CompletionRequest(BaseModel):
+    """Body of ``POST /v1/completions`` (the OpenAI shape; decoding is always beam search)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: Prompt = Field(
+        description="Text with semantic-ID tokens, token ids, or a list of either."
+    )
+    model: str | None = Field(None, max_length=256)
+    n: int = Field(1, ge=1, le=MAX_BEAM_WIDTH, description="Results per prompt.")
+    beam_width: int | None = Field(
+        None, ge=1, le=MAX_BEAM_WIDTH, description="Beams per step; default the server's."
+    )
+    best_of: int | None = Field(None, ge=1, le=MAX_BEAM_WIDTH, description="Alias of beam_width.")
+    use_beam_search: bool = Field(True, description="Must be true: xgr only beam-searches.")
+    max_tokens: int | None = Field(
+        None, ge=1, le=64, description="Must equal the number of semantic-ID levels."
+    )
+    temperature: float | None = Field(None, ge=0, le=2, description="Ignored (beam search).")
+    user: str | None = Field(None, max_length=256)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str = Field(description="The semantic-ID tokens, e.g. '<a_1><b_2><c_3>'.")
+    item_ids: list[str]
+    score: float
+    finish_reason: Literal["length"]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "xgr"
+    num_items: int
+    num_semantic_ids: int
+    num_levels: int
+    max_prompt_tokens: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class StatusResponse(BaseModel):
     status: str
 
 
 class ErrorResponse(BaseModel):
-    """Body of every 4xx answer: what was wrong and where."""
+    """Body of every error answer: what was wrong and where."""
 
     error: str
-    detail: list[dict] | str | None = None
+    detail: list[dict] | None = None

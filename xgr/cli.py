@@ -1,0 +1,256 @@
+"""The ``xgr`` command line: recommend, eval and serve, on a model folder or the embedded demo."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import click
+
+from xgr.core import XgrError
+
+DEFAULT_CACHE = Path("~/.cache/xgr/demo")
+ITEMS_FILE = "items.json"
+
+
+def _fail(exc: XgrError) -> None:
+    raise click.ClickException(str(exc)) from exc
+
+
+def _engine_options(func):
+    """Options shared by every command that loads a model."""
+    options = [
+        click.option("--demo", is_flag=True, help="Use the embedded MovieLens-100K demo model."),
+        click.option(
+            "--model",
+            "model_dir",
+            type=click.Path(file_okay=False, path_type=Path),
+            help="Hugging Face model folder.",
+        ),
+        click.option(
+            "--catalog",
+            "catalog_path",
+            type=click.Path(dir_okay=False, path_type=Path),
+            help="Catalog index JSON (default: the model folder's catalog.index.json).",
+        ),
+        click.option(
+            "--dtype",
+            default="float32",
+            show_default=True,
+            type=click.Choice(["float32", "bfloat16", "float16"]),
+        ),
+        click.option("--device", default="cpu", show_default=True),
+        click.option(
+            "--cache-dir",
+            type=click.Path(file_okay=False, path_type=Path),
+            default=DEFAULT_CACHE,
+            envvar="XGR_CACHE",
+            show_default=True,
+            help="Where the demo's data and model are cached.",
+        ),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _model_dir(demo: bool, model_dir: Path | None, cache_dir: Path) -> Path:
+    if demo == (model_dir is not None):
+        raise click.UsageError("give exactly one of --demo and --model")
+    if model_dir is not None:
+        return model_dir
+    from xgr.demo import build_demo
+
+    try:
+        return build_demo(cache_dir.expanduser())
+    except XgrError as exc:
+        _fail(exc)
+
+
+def _load_engine(model_dir: Path, catalog_path: Path | None, device: str, dtype: str):
+    from xgr import Engine, ItemCatalog
+
+    try:
+        catalog = ItemCatalog.from_index_json(catalog_path) if catalog_path else None
+        return Engine.from_pretrained(model_dir, catalog=catalog, device=device, dtype=dtype)
+    except XgrError as exc:
+        _fail(exc)
+
+
+def _titles(model_dir: Path) -> dict[str, str]:
+    path = model_dir / ITEMS_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+@click.group()
+@click.option("-v", "--verbose", is_flag=True, help="Log what the engine does.")
+def main(verbose: bool) -> None:
+    """xgr: generative recommendation by catalog-constrained beam search."""
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+
+
+@main.command()
+@_engine_options
+@click.option(
+    "--history",
+    "history",
+    multiple=True,
+    required=True,
+    help="One history item, oldest first: an item id, a title with its year, or a "
+    "semantic ID like '<a_1><b_2><c_3>'. Repeat for each item.",
+)
+@click.option("--beam-width", default=64, show_default=True)
+@click.option("--top-k", default=None, type=int, help="Candidates per beam (default beam width).")
+@click.option("--num-results", default=10, show_default=True)
+@click.option("--server", default=None, help="Ask a running `xgr serve` at this URL instead.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def recommend(
+    demo,
+    model_dir,
+    catalog_path,
+    dtype,
+    device,
+    cache_dir,
+    history,
+    beam_width,
+    top_k,
+    num_results,
+    server,
+    as_json,
+) -> None:
+    """Recommend items for one user's history."""
+    search = {"beam_width": beam_width, "top_k": top_k or beam_width, "num_results": num_results}
+    started = time.perf_counter()
+    if server is not None:
+        from xgr.client import Client
+
+        titles: dict[str, str] = {}
+        try:
+            with Client(server) as client:
+                result = client.recommend(list(history), **search)
+        except XgrError as exc:
+            _fail(exc)
+    else:
+        from xgr.catalog import resolve_history
+
+        model_dir = _model_dir(demo, model_dir, cache_dir)
+        engine = _load_engine(model_dir, catalog_path, device, dtype)
+        titles = _titles(model_dir)
+        try:
+            resolved = resolve_history(engine.catalog, list(history), titles)
+            started = time.perf_counter()
+            (result,) = engine.recommend(
+                [engine.history_prompt(resolved.item_ids)],
+                exclude_item_ids=[resolved.excluded],
+                **search,
+            )
+        except XgrError as exc:
+            _fail(exc)
+    elapsed_ms = (time.perf_counter() - started) * 1e3
+    rows = [
+        {
+            "rank": rank,
+            "item_id": r.item_id,
+            "title": titles.get(r.item_id),
+            "score": round(r.score, 4),
+            "semantic_id": list(r.semantic_id),
+        }
+        for rank, r in enumerate(result.items, 1)
+    ]
+    if as_json:
+        click.echo(json.dumps({"items": rows, "latency_ms": round(elapsed_ms, 1)}, indent=2))
+        return
+    for row in rows:
+        name = row["title"] or row["item_id"]
+        click.echo(f"{row['rank']:>3}. {name:<55} {row['score']:>9.4f}  {row['semantic_id']}")
+    click.echo(f"(beam width {beam_width}, {elapsed_ms:.1f} ms)")
+
+
+@main.command("eval")
+@_engine_options
+@click.option("--k", default=10, show_default=True, help="Metric cut-off.")
+@click.option("--beam-width", default=64, show_default=True)
+@click.option("--max-users", default=None, type=int, help="Evaluate only the first users.")
+@click.option(
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Also write the figures as JSON here.",
+)
+def evaluate(
+    demo, model_dir, catalog_path, dtype, device, cache_dir, k, beam_width, max_users, output
+) -> None:
+    """Leave-one-out Recall@K / NDCG@K of the demo model next to a most-popular baseline."""
+    from xgr.demo import evaluate_demo, load_movielens
+
+    if not demo:
+        raise click.UsageError("eval runs on the demo's data: pass --demo")
+    model_dir = _model_dir(demo, model_dir, cache_dir)
+    engine = _load_engine(model_dir, catalog_path, device, dtype)
+    try:
+        report = evaluate_demo(
+            engine,
+            load_movielens(cache_dir.expanduser()),
+            k=k,
+            beam_width=beam_width,
+            max_users=max_users,
+        )
+    except XgrError as exc:
+        _fail(exc)
+    click.echo(f"users: {report['users']}   beam width: {beam_width}   time: {report['seconds']} s")
+    click.echo(f"{'':<14}{'Recall@' + str(k):>12}{'NDCG@' + str(k):>12}")
+    for name in ("model", "popularity"):
+        scores = report[name]
+        click.echo(f"{name:<14}{scores[f'recall@{k}']:>12.4f}{scores[f'ndcg@{k}']:>12.4f}")
+    if output:
+        output.write_text(json.dumps(report, indent=2) + "\n")
+
+
+@main.command()
+@_engine_options
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True)
+@click.option("--max-beam-width", default=512, show_default=True, help="Largest beam width.")
+@click.option(
+    "--default-beam-width",
+    default=64,
+    show_default=True,
+    help="Beam width of completions that name none.",
+)
+@click.option("--max-batch-size", default=32, show_default=True, help="Requests per engine call.")
+@click.option("--max-body-bytes", default=1 << 20, show_default=True)
+def serve(
+    demo,
+    model_dir,
+    catalog_path,
+    dtype,
+    device,
+    cache_dir,
+    host,
+    port,
+    max_beam_width,
+    default_beam_width,
+    max_batch_size,
+    max_body_bytes,
+) -> None:
+    """Serve the HTTP API (see README: /v1/recommend, /v1/completions, /metrics, ...)."""
+    import uvicorn
+
+    from xgr.server.app import create_app
+    from xgr.server.config import ServerConfig
+
+    try:
+        config = ServerConfig(max_beam_width, default_beam_width, max_batch_size, max_body_bytes)
+    except XgrError as exc:
+        _fail(exc)
+    model_dir = _model_dir(demo, model_dir, cache_dir)
+    engine = _load_engine(model_dir, catalog_path, device, dtype)
+    uvicorn.run(create_app(engine, _titles(model_dir), config), host=host, port=port)
+
+
+if __name__ == "__main__":
+    main()

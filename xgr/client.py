@@ -1,0 +1,97 @@
+"""``xgr.Client``: a small HTTP client for a running ``xgr serve``."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from xgr.core import Recommendation, RecommendResult, XgrError
+
+_CODE = re.compile(r"<[a-z]+_(\d+)>")
+
+
+class ServerError(XgrError):
+    """The server refused a request; ``status`` is its HTTP status code."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+class Client:
+    """Talks to ``xgr serve``.
+
+    Args:
+        base_url: e.g. ``"http://127.0.0.1:8000"``.
+        timeout: seconds to wait for an answer.
+    """
+
+    def __init__(self, base_url: str, timeout: float = 60.0) -> None:
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def recommend(
+        self,
+        history: Sequence[str | int],
+        beam_width: int = 64,
+        top_k: int | None = None,
+        num_results: int = 10,
+        exclude_history: bool = True,
+        truncate_history: bool = False,
+        deadline_ms: float | None = None,
+        request_id: str | None = None,
+    ) -> RecommendResult:
+        """``POST /v1/recommend``; the same result type as ``Engine.recommend`` gives.
+
+        Raises:
+            ServerError: the server answered with an error (its message included).
+            httpx.HTTPError: the server could not be reached.
+        """
+        body = {
+            "history": list(history),
+            "beam_width": beam_width,
+            "top_k": top_k,
+            "num_results": num_results,
+            "exclude_history": exclude_history,
+            "truncate_history": truncate_history,
+            "deadline_ms": deadline_ms,
+            "request_id": request_id,
+        }
+        data = self._post("/v1/recommend", {k: v for k, v in body.items() if v is not None})
+        items = [
+            Recommendation(
+                item["item_id"],
+                item["score"],
+                tuple(int(c) for c in _CODE.findall(item["semantic_id"])),
+            )
+            for item in data["items"]
+        ]
+        timings = data["timings"]
+        return RecommendResult(
+            items=items, prefill_ms=timings["prefill_ms"], decode_ms=timings["decode_ms"]
+        )
+
+    def health(self) -> bool:
+        """True when ``GET /ready`` answers 200 (the server has warmed up)."""
+        return self._http.get("/ready").status_code == 200
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        response = self._http.post(path, json=body)
+        if response.status_code != 200:
+            try:
+                message = response.json().get("error", response.text)
+            except ValueError:
+                message = response.text
+            raise ServerError(response.status_code, message)
+        return response.json()

@@ -1,0 +1,161 @@
+"""Building (or reusing) the cached demo model folder.
+
+A model folder holds:
+
+- ``config.json``, ``model.safetensors``, ``generation_config.json``: the Qwen2 decoder,
+- ``tokenizer.json``, ``tokenizer_config.json``: the word-level tokenizer,
+- ``catalog.index.json``: item id -> code tokens (``ItemCatalog.from_index_json``),
+- ``xgr_catalog.json``: the catalog fingerprint (``ItemCatalog.write_model_metadata``),
+- ``xgr_prompt.json``: the prompt format (``<bos>`` then the last ``max_history`` items),
+- ``items.json``: item id -> title,
+- ``xgr_demo.json``: the DemoConfig, the ``sid_token_ids`` map and training facts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from xgr.catalog import ItemCatalog
+from xgr.core import XgrError
+from xgr.demo.config import DemoConfig
+from xgr.demo.movielens import MovieLensData, leave_one_out, load_movielens
+from xgr.demo.vocab import BOS, sid_token_ids
+from xgr.engine.prompt import PROMPT_FORMAT_FILE
+
+CATALOG_INDEX_FILE = "catalog.index.json"
+ITEMS_FILE = "items.json"
+DEMO_METADATA_FILE = "xgr_demo.json"
+
+
+def build_demo(
+    cache_dir: str | Path, config: DemoConfig | None = None, progress: bool = True
+) -> Path:
+    """The demo model folder for ``config``, built on first use.
+
+    Args:
+        cache_dir: holds the MovieLens files and one ``model-<key>`` folder per config
+            (``key`` = ``config.cache_key``).
+        config: the build settings; default ``DemoConfig()``.
+        progress: show tqdm bars while training.
+
+    Returns:
+        the model folder (see the module docstring for its files).
+
+    Raises:
+        XgrError: the data could not be downloaded or parsed.
+    """
+    config = config or DemoConfig()
+    cache_dir = Path(cache_dir).expanduser()
+    target = cache_dir / f"model-{config.cache_key}"
+    if (target / DEMO_METADATA_FILE).is_file():
+        return target
+    data = load_movielens(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: an interrupted build leaves only a temp folder,
+    # never a half-written model folder that a later call would reuse.
+    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=cache_dir))
+    try:
+        write_demo_model(staging, data, config, progress)
+        staging.chmod(0o755)  # mkdtemp makes it private; the folder is meant to be shared
+        if target.exists():  # a stale folder without metadata, or a concurrent build
+            if (target / DEMO_METADATA_FILE).is_file():
+                return target
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def build_catalog(data: MovieLensData, config: DemoConfig) -> ItemCatalog:
+    """Semantic IDs of every MovieLens item, from the training interactions only.
+
+    The held-out last item of each user is left out of the embeddings so that the test
+    interaction cannot leak into the IDs.
+    """
+    from xgr.demo.semantic_ids import semantic_ids  # scikit-learn: only when building
+
+    split = leave_one_out(data)
+    codes = semantic_ids(
+        split.histories,
+        data.item_ids,
+        num_levels=config.num_levels,
+        codebook_size=config.codebook_size,
+        embedding_dim=config.embedding_dim,
+        seed=config.seed,
+    )
+    return ItemCatalog.from_codes(data.item_ids, codes, config.codebook_size)
+
+
+def write_demo_model(
+    model_dir: Path, data: MovieLensData, config: DemoConfig, progress: bool = True
+) -> None:
+    """Build the catalog, train the model and write every file of the folder into model_dir."""
+    # The training stack (transformers) is imported only when a model has to be built.
+    from xgr.demo.train import make_model, train_model, training_windows
+    from xgr.demo.vocab import build_tokenizer
+
+    started = time.perf_counter()
+    catalog = build_catalog(data, config)
+    split = leave_one_out(data)
+    windows = training_windows(split.histories, catalog, config.max_history)
+    model = make_model(config, catalog)
+    report = train_model(model, windows, config, progress=progress)
+    model.generation_config.pad_token_id = model.config.pad_token_id
+    model.save_pretrained(model_dir)
+    build_tokenizer(catalog).save_pretrained(model_dir)
+    catalog.to_index_json(model_dir / CATALOG_INDEX_FILE)
+    catalog.write_model_metadata(model_dir)
+    prompt_format = {"prefix_tokens": [BOS], "max_history_items": config.max_history}
+    (model_dir / PROMPT_FORMAT_FILE).write_text(json.dumps(prompt_format) + "\n")
+    (model_dir / ITEMS_FILE).write_text(json.dumps(data.titles, ensure_ascii=False, indent=0))
+    meta = {
+        "config": config.to_dict(),
+        "cache_key": config.cache_key,
+        "max_history": config.max_history,
+        "sid_token_ids": sid_token_ids(catalog).tolist(),
+        "num_items": len(catalog),
+        "num_semantic_ids": catalog.num_semantic_ids,
+        "training": {
+            "steps": report.steps,
+            "windows": report.windows,
+            "train_seconds": round(report.seconds, 1),
+            "build_seconds": round(time.perf_counter() - started, 1),
+            "final_loss": round(report.final_loss, 4),
+        },
+    }
+    # Written last: its presence marks a complete folder.
+    (model_dir / DEMO_METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def read_demo_metadata(model_dir: str | Path) -> dict:
+    """The parsed ``xgr_demo.json`` of a demo model folder.
+
+    Raises:
+        XgrError: the folder is not a complete demo model folder.
+    """
+    path = Path(model_dir) / DEMO_METADATA_FILE
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise XgrError(
+            f"{model_dir} is not a demo model folder: cannot read {path}: {exc}"
+        ) from None
+
+
+def load_demo_catalog(model_dir: str | Path) -> ItemCatalog:
+    """The catalog saved in a demo model folder."""
+    meta = read_demo_metadata(model_dir)
+    return ItemCatalog.from_index_json(
+        Path(model_dir) / CATALOG_INDEX_FILE, codebook_size=meta["config"]["codebook_size"]
+    )
+
+
+def load_demo_titles(model_dir: str | Path) -> dict[str, str]:
+    """item id -> title, as saved in a demo model folder."""
+    return json.loads((Path(model_dir) / ITEMS_FILE).read_text())

@@ -1,0 +1,114 @@
+"""The demo's build settings."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, replace
+
+from xgr.core import XgrError
+
+# Bump when the build's output changes for an unchanged config, so old caches are rebuilt.
+BUILD_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Everything that decides the demo model; a changed field means a new cached model.
+
+    The defaults train in about 3 minutes on 2 CPU cores (565 steps) and, leave-one-out on
+    all 943 users with beam width 64, reach Recall@10 0.157 / NDCG@10 0.083 against 0.086 /
+    0.045 for most-popular (see ``evaluate_demo``).
+
+    Attributes:
+        num_levels: semantic-ID levels.
+        codebook_size: codes per level.
+        embedding_dim: SVD components of the item embeddings that are quantized.
+        max_history: items of history in a prompt (the most recent ones).
+        hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size: the Qwen2
+            decoder's shape (num_kv_heads < num_heads: grouped-query attention).
+        epochs: passes over the training windows.
+        max_steps: stop after this many optimizer steps (None: run every epoch).
+        batch_size: training windows per step.
+        learning_rate: AdamW peak learning rate (linear warm-up, cosine decay to 10%).
+        weight_decay: AdamW decoupled weight decay.
+        warmup_steps: linear warm-up steps.
+        seed: seeds the SVD, k-means, weight init and batch order.
+    """
+
+    num_levels: int = 3
+    codebook_size: int = 32
+    embedding_dim: int = 64
+    max_history: int = 50
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 512
+    epochs: int = 5
+    max_steps: int | None = None
+    batch_size: int = 32
+    learning_rate: float = 3e-3
+    weight_decay: float = 0.1
+    warmup_steps: int = 50
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        positive = (
+            "num_levels",
+            "codebook_size",
+            "embedding_dim",
+            "max_history",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "intermediate_size",
+            "epochs",
+            "batch_size",
+        )
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise XgrError(f"DemoConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise XgrError(f"DemoConfig.max_steps must be None or >= 1, got {self.max_steps}")
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise XgrError(
+                "DemoConfig: hidden_size must be a multiple of num_heads, and num_heads of "
+                f"num_kv_heads (got {self.hidden_size}, {self.num_heads}, {self.num_kv_heads})"
+            )
+        if not self.learning_rate > 0 or self.weight_decay < 0 or self.warmup_steps < 0:
+            raise XgrError("DemoConfig: learning_rate must be > 0, weight_decay and warmup >= 0")
+
+    @classmethod
+    def quick(cls) -> DemoConfig:
+        """A tiny configuration for tests: builds in seconds, quality is not the point."""
+        return cls(
+            codebook_size=8,
+            embedding_dim=16,
+            max_history=8,
+            hidden_size=32,
+            num_layers=1,
+            num_heads=2,
+            num_kv_heads=1,
+            intermediate_size=64,
+            epochs=1,
+            max_steps=20,
+            batch_size=32,
+            warmup_steps=5,
+        )
+
+    def with_changes(self, **changes: object) -> DemoConfig:
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, object]:
+        """The fields as a JSON-ready dict."""
+        return asdict(self)
+
+    @property
+    def cache_key(self) -> str:
+        """12 hex digits identifying this config and the build format."""
+        text = json.dumps({"v": BUILD_FORMAT_VERSION, **self.to_dict()}, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:12]

@@ -1,0 +1,85 @@
+"""Server settings and the request-body size limit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from xgr.core import XgrError
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Limits and defaults of one server, validated once.
+
+    Attributes:
+        max_beam_width: largest beam width a request may ask for.
+        default_beam_width: beam width of completions that name none.
+        max_batch_size: most requests per engine call.
+        max_body_bytes: largest request body accepted (larger: 413).
+    """
+
+    max_beam_width: int = 512
+    default_beam_width: int = 64
+    max_batch_size: int = 32
+    max_body_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        for name in ("max_beam_width", "default_beam_width", "max_batch_size", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise XgrError(f"ServerConfig.{name} must be >= 1")
+        if self.default_beam_width > self.max_beam_width:
+            raise XgrError("ServerConfig.default_beam_width exceeds max_beam_width")
+
+
+class BodySizeLimit:
+    """ASGI middleware answering 413 to bodies over ``max_bytes``, declared or streamed.
+
+    The body is read here (at most ``max_bytes``) and replayed to the app, so an oversized
+    chunked body is refused before any route sees it.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers", [])).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending it all
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._too_large(send)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, send: Send) -> None:
+        body = f'{{"error": "request body exceeds {self.max_bytes} bytes"}}'.encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ]
+        await send({"type": "http.response.start", "status": 413, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
