@@ -73,6 +73,7 @@ class RequestBatcher:
         self._queue: asyncio.Queue[QueuedRequest] = asyncio.Queue()
         self._task: asyncio.Task | None = None
         self._running = 0
+        self._batch: list[QueuedRequest] = []  # taken from the queue, not all answered yet
 
     def start(self) -> None:
         """Start the batching loop on the running event loop."""
@@ -80,7 +81,7 @@ class RequestBatcher:
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> None:
-        """Stop the loop; requests still queued fail with an error rather than hang."""
+        """Stop the loop; requests not yet answered fail with an error rather than hang."""
         if self._task is not None:
             self._task.cancel()
             try:
@@ -88,10 +89,13 @@ class RequestBatcher:
             except asyncio.CancelledError:
                 pass
             self._task = None
+        unanswered = list(self._batch)
         while not self._queue.empty():
-            request = self._queue.get_nowait()
+            unanswered.append(self._queue.get_nowait())
+        for request in unanswered:
             if not request.future.done():
                 request.future.set_exception(XgrError("the server is shutting down"))
+        self._batch = []
 
     async def submit(self, request: QueuedRequest) -> Answer:
         """Queue a request and wait for its answer.
@@ -109,7 +113,7 @@ class RequestBatcher:
 
     async def _loop(self) -> None:
         while True:
-            batch = [await self._queue.get()]
+            self._batch = batch = [await self._queue.get()]
             while len(batch) < self.max_batch_size and not self._queue.empty():
                 batch.append(self._queue.get_nowait())
             groups: dict[tuple[int, int], list[QueuedRequest]] = defaultdict(list)
@@ -117,6 +121,7 @@ class RequestBatcher:
                 groups[(request.beam_width, request.top_k)].append(request)
             for (beam_width, top_k), group in groups.items():
                 await self._run(group, beam_width, top_k)
+            self._batch = []
 
     async def _run(self, group: list[QueuedRequest], beam_width: int, top_k: int) -> None:
         started = time.perf_counter()

@@ -1,0 +1,149 @@
+"""The batching queue: grouping, deadlines, failures and shutdown, with a recording engine."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from xgr.core import RecommendResult, XgrError
+from xgr.scheduler import DeadlineExceededError, QueuedRequest, RequestBatcher, ServingMetrics
+
+
+class RecordingEngine:
+    """Stands in for ``Engine``: records each call, answers with the prompt's length."""
+
+    def __init__(self, delay: float = 0.0, fail_on: int | None = None) -> None:
+        self.calls: list[tuple[list[list[int]], int, int, list[int]]] = []
+        self.delay = delay
+        self.fail_on = fail_on
+        self.release = threading.Event()
+        self.release.set()
+
+    def recommend(self, prompts, beam_width, top_k, num_results, exclude_item_ids):
+        self.release.wait(10)
+        time.sleep(self.delay)
+        self.calls.append((prompts, beam_width, top_k, list(num_results)))
+        if self.fail_on is not None and any(p[0] == self.fail_on for p in prompts):
+            raise XgrError("engine refused the batch")
+        return [
+            RecommendResult(prompt_tokens=len(p), prefill_ms=1.0, decode_ms=2.0) for p in prompts
+        ]
+
+
+def request(first_token: int, beam_width: int = 8, deadline: float | None = None):
+    return QueuedRequest([first_token, 1, 2], beam_width, beam_width, 3, deadline=deadline)
+
+
+async def run_concurrently(batcher, requests):
+    return await asyncio.gather(*(batcher.submit(r) for r in requests), return_exceptions=True)
+
+
+def test_requests_waiting_together_share_one_call_per_beam_width():
+    engine = RecordingEngine()
+    metrics = ServingMetrics("m")
+
+    async def scenario():
+        batcher = RequestBatcher(engine, max_batch_size=16, metrics=metrics)
+        batcher.start()
+        engine.release.clear()  # hold the first call so the others queue up behind it
+        first = asyncio.ensure_future(batcher.submit(request(0)))
+        await asyncio.sleep(0.05)
+        rest = [request(i, beam_width=8 if i % 2 else 16) for i in range(1, 11)]
+        pending = asyncio.ensure_future(run_concurrently(batcher, rest))
+        await asyncio.sleep(0.05)
+        engine.release.set()
+        answers = [await first, *(await pending)]
+        await batcher.stop()
+        return answers
+
+    answers = asyncio.run(scenario())
+    assert all(a.result.prompt_tokens == 3 for a in answers)
+    assert [len(c[0]) for c in engine.calls] == [1, 5, 5]
+    assert {c[1] for c in engine.calls[1:]} == {8, 16}
+    assert sorted(p[0] for c in engine.calls for p in c[0]) == list(range(11))
+    assert answers[0].times.prefill == pytest.approx(1e-3)
+    assert answers[0].times.e2e >= answers[0].times.queue >= 0
+
+
+def test_max_batch_size_splits_the_queue():
+    engine = RecordingEngine()
+
+    async def scenario():
+        batcher = RequestBatcher(engine, max_batch_size=3)
+        batcher.start()
+        engine.release.clear()
+        pending = asyncio.ensure_future(run_concurrently(batcher, [request(i) for i in range(7)]))
+        await asyncio.sleep(0.05)
+        engine.release.set()
+        await pending
+        await batcher.stop()
+
+    asyncio.run(scenario())
+    # All seven are queued before the loop first wakes: 3, 3, then the last one.
+    assert [len(c[0]) for c in engine.calls] == [3, 3, 1]
+
+
+def test_expired_deadline_is_refused_before_running():
+    engine = RecordingEngine()
+
+    async def scenario():
+        batcher = RequestBatcher(engine)
+        batcher.start()
+        answers = await run_concurrently(
+            batcher, [request(0, deadline=time.perf_counter() - 1), request(1)]
+        )
+        await batcher.stop()
+        return answers
+
+    expired, ok = asyncio.run(scenario())
+    assert isinstance(expired, DeadlineExceededError)
+    assert ok.result.prompt_tokens == 3
+    assert [p[0] for c in engine.calls for p in c[0]] == [1]
+
+
+def test_a_failed_call_fails_only_its_requests_and_the_loop_goes_on():
+    engine = RecordingEngine(fail_on=5)
+
+    async def scenario():
+        batcher = RequestBatcher(engine)
+        batcher.start()
+        failed = await run_concurrently(batcher, [request(5)])
+        later = await batcher.submit(request(6))
+        await batcher.stop()
+        return failed[0], later
+
+    failed, later = asyncio.run(scenario())
+    assert isinstance(failed, XgrError) and "refused" in str(failed)
+    assert later.result.prompt_tokens == 3
+
+
+def test_stop_fails_queued_requests_instead_of_hanging():
+    engine = RecordingEngine()
+
+    async def scenario():
+        batcher = RequestBatcher(engine)
+        batcher.start()
+        engine.release.clear()
+        pending = asyncio.ensure_future(run_concurrently(batcher, [request(i) for i in range(3)]))
+        await asyncio.sleep(0.05)
+        stopping = asyncio.ensure_future(batcher.stop())
+        await asyncio.sleep(0.05)
+        engine.release.set()
+        await stopping
+        return await asyncio.wait_for(pending, 5)
+
+    answers = asyncio.run(scenario())
+    assert any(isinstance(a, XgrError) and "shutting down" in str(a) for a in answers)
+
+
+def test_submit_needs_a_running_batcher():
+    async def scenario():
+        await RequestBatcher(RecordingEngine()).submit(request(0))
+
+    with pytest.raises(XgrError, match="not running"):
+        asyncio.run(scenario())
+    with pytest.raises(XgrError, match="max_batch_size"):
+        RequestBatcher(RecordingEngine(), max_batch_size=0)
