@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from xgr.catalog.catalog import DEFAULT_LEVEL_NAMES
 from xgr.core import XgrError
 
 DEFAULT_CACHE = Path("~/.cache/xgr/demo")
@@ -22,7 +23,11 @@ def _fail(exc: XgrError) -> None:
 def _engine_options(func):
     """Options shared by every command that loads a model."""
     options = [
-        click.option("--demo", is_flag=True, help="Use the embedded MovieLens-100K demo model."),
+        click.option(
+            "--demo",
+            is_flag=True,
+            help="Use the MovieLens-100K demo model (downloaded and trained on first use).",
+        ),
         click.option(
             "--model",
             "model_dir",
@@ -48,6 +53,7 @@ def _engine_options(func):
             default=DEFAULT_CACHE,
             envvar="XGR_CACHE",
             show_default=True,
+            show_envvar=True,
             help="Where the demo's data and model are cached.",
         ),
     ]
@@ -77,11 +83,6 @@ def _load_engine(model_dir: Path, catalog_path: Path | None, device: str, dtype:
         return Engine.from_pretrained(model_dir, catalog=catalog, device=device, dtype=dtype)
     except XgrError as exc:
         _fail(exc)
-
-
-def _titles(model_dir: Path) -> dict[str, str]:
-    path = model_dir / ITEMS_FILE
-    return json.loads(path.read_text()) if path.exists() else {}
 
 
 @click.group()
@@ -124,25 +125,30 @@ def recommend(
     as_json,
 ) -> None:
     """Recommend items for one user's history."""
-    search = {"beam_width": beam_width, "top_k": top_k or beam_width, "num_results": num_results}
+    search = {
+        "beam_width": beam_width,
+        "top_k": beam_width if top_k is None else top_k,
+        "num_results": num_results,
+    }
     started = time.perf_counter()
     if server is not None:
+        if demo or model_dir is not None:
+            raise click.UsageError("--server asks a running server: drop --demo / --model")
         from xgr.client import Client
 
-        titles: dict[str, str] = {}
         try:
             with Client(server) as client:
                 result = client.recommend(list(history), **search)
         except XgrError as exc:
             _fail(exc)
+        level_names = None
     else:
         from xgr.catalog import resolve_history
 
         model_dir = _model_dir(demo, model_dir, cache_dir)
         engine = _load_engine(model_dir, catalog_path, device, dtype)
-        titles = _titles(model_dir)
         try:
-            resolved = resolve_history(engine.catalog, list(history), titles)
+            resolved = resolve_history(engine.catalog, list(history), engine.titles)
             started = time.perf_counter()
             (result,) = engine.recommend(
                 [engine.history_prompt(resolved.item_ids)],
@@ -151,14 +157,19 @@ def recommend(
             )
         except XgrError as exc:
             _fail(exc)
+        level_names = engine.catalog.level_names
     elapsed_ms = (time.perf_counter() - started) * 1e3
+    # Over HTTP the level letters are not sent back: the catalogs' usual a, b, c, ... are used.
+    letters = level_names or DEFAULT_LEVEL_NAMES
     rows = [
         {
             "rank": rank,
             "item_id": r.item_id,
-            "title": titles.get(r.item_id),
+            "title": r.title,
             "score": round(r.score, 4),
-            "semantic_id": list(r.semantic_id),
+            "semantic_id": "".join(
+                f"<{n}_{c}>" for n, c in zip(letters, r.semantic_id, strict=False)
+            ),
         }
         for rank, r in enumerate(result.items, 1)
     ]
@@ -237,7 +248,7 @@ def serve(
     max_batch_size,
     max_body_bytes,
 ) -> None:
-    """Serve the HTTP API (see README: /v1/recommend, /v1/completions, /metrics, ...)."""
+    """Serve the HTTP API: recommend, completions, models, health, ready, metrics."""
     import uvicorn
 
     from xgr.server.app import create_app
@@ -249,7 +260,7 @@ def serve(
         _fail(exc)
     model_dir = _model_dir(demo, model_dir, cache_dir)
     engine = _load_engine(model_dir, catalog_path, device, dtype)
-    uvicorn.run(create_app(engine, _titles(model_dir), config), host=host, port=port)
+    uvicorn.run(create_app(engine, config), host=host, port=port)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ class Client:
     """
 
     def __init__(self, base_url: str, timeout: float = 60.0) -> None:
+        if not base_url.startswith(("http://", "https://")):
+            raise XgrError(f"server URL must start with http:// or https://, got {base_url!r}")
         self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout)
 
     def __enter__(self) -> Client:
@@ -55,8 +57,8 @@ class Client:
         """``POST /v1/recommend``; the same result type as ``Engine.recommend`` gives.
 
         Raises:
-            ServerError: the server answered with an error (its message included).
-            httpx.HTTPError: the server could not be reached.
+            ServerError: the server answered with an error (its message included), or could
+                not be reached (status 0).
         """
         body = {
             "history": list(history),
@@ -74,6 +76,7 @@ class Client:
                 item["item_id"],
                 item["score"],
                 tuple(int(c) for c in _CODE.findall(item["semantic_id"])),
+                item.get("title"),
             )
             for item in data["items"]
         ]
@@ -83,11 +86,17 @@ class Client:
         )
 
     def health(self) -> bool:
-        """True when ``GET /ready`` answers 200 (the server has warmed up)."""
-        return self._http.get("/ready").status_code == 200
+        """True when ``GET /ready`` answers 200 (the server has warmed up); False if unreachable."""
+        try:
+            return self._http.get("/ready").status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        response = self._http.post(path, json=body)
+        try:
+            response = self._http.post(path, json=body)
+        except httpx.HTTPError as exc:
+            raise ServerError(0, f"cannot reach {self._http.base_url}: {exc}") from exc
         if response.status_code != 200:
             try:
                 message = response.json().get("error", response.text)

@@ -32,11 +32,13 @@ class Recommendation:
         score: the summed log-probability (natural log, float) of the item's semantic
             ID under the model; items sharing one semantic ID share the score.
         semantic_id: the item's codes, one int per level.
+        title: the item's title when the model folder has one (``items.json``), else None.
     """
 
     item_id: str
     score: float
     semantic_id: tuple[int, ...]
+    title: str | None = None
 
 
 @dataclass(frozen=True)

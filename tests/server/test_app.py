@@ -17,14 +17,9 @@ def engine(served_model_dir):
 
 
 @pytest.fixture(scope="module")
-def titles(engine):
-    return {item: f"Title of {item}" for item in engine.catalog.item_ids}
-
-
-@pytest.fixture(scope="module")
-def client(engine, titles):
+def client(engine):
     config = ServerConfig(max_beam_width=128, max_body_bytes=64 * 1024)
-    with TestClient(create_app(engine, titles, config)) as client:
+    with TestClient(create_app(engine, config)) as client:
         yield client
 
 

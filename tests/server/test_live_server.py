@@ -87,6 +87,7 @@ def test_client_returns_engine_results(base_url, engine):
         )
         assert [r.item_id for r in result.items] == [r.item_id for r in alone.items]
         assert [r.semantic_id for r in result.items] == [r.semantic_id for r in alone.items]
+        assert [r.title for r in result.items] == [f"Title of {r.item_id}" for r in alone.items]
         np.testing.assert_allclose(
             [r.score for r in result.items], [r.score for r in alone.items], atol=1e-4
         )

@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 
 # Catalog file a demo or training pipeline saves beside the model; used when none is passed.
 DEFAULT_CATALOG_FILE = "catalog.index.json"
+# Optional item id -> title map beside the model, copied into results.
+TITLES_FILE = "items.json"
 
 Prompt = Sequence[int] | str
 
@@ -40,6 +42,7 @@ class Engine:
         tokenizer: optional ``tokenizers.Tokenizer`` for string prompts.
         name: model name reported by the server.
         prompt_format: how histories become prompts (default: the items' tokens alone).
+        titles: item id -> title, copied into results (default: none).
 
     Raises:
         XgrError: the code map does not match the catalog or the model's vocabulary.
@@ -53,17 +56,20 @@ class Engine:
         tokenizer: Any = None,
         name: str = "xgr-model",
         prompt_format: PromptFormat | None = None,
+        titles: dict[str, str] | None = None,
     ) -> None:
         self.model = model
         self.catalog = catalog
         self.tokenizer = tokenizer
         self.name = name
         self.prompt_format = prompt_format or PromptFormat()
+        self.titles = titles or {}
         self.device = model.lm_head.weight.device
         table = validate_sid_token_ids(sid_token_ids, catalog, model.config.vocab_size)
         self.sid_token_ids = torch.from_numpy(table).to(self.device)
         self._sid_token_ids_host = table
         self.trie = catalog.trie.to(self.device)
+        self.attention_backend = select_attention_backend(self.device)
 
     @classmethod
     def from_pretrained(
@@ -89,6 +95,7 @@ class Engine:
                 differs from the one saved beside the model, or a code map that does not fit.
         """
         model_dir = Path(model_dir)
+        device = resolve_device(device)
         if catalog is None:
             path = model_dir / DEFAULT_CATALOG_FILE
             if not path.exists():
@@ -100,7 +107,13 @@ class Engine:
             sid_token_ids = sid_token_ids_from_tokenizer(model_dir, catalog)
         prompt_format = PromptFormat.from_model_dir(model_dir, tokenizer_vocab(model_dir))
         return cls(
-            model, catalog, sid_token_ids, _load_tokenizer(model_dir), model_dir.name, prompt_format
+            model,
+            catalog,
+            sid_token_ids,
+            _load_tokenizer(model_dir),
+            model_dir.name,
+            prompt_format,
+            _load_titles(model_dir),
         )
 
     @property
@@ -184,7 +197,13 @@ class Engine:
         if not tokenized:
             return []
         out = generate_semantic_ids(
-            self.model, self.trie, self.sid_token_ids, tokenized, beam_width, top_k
+            self.model,
+            self.trie,
+            self.sid_token_ids,
+            tokenized,
+            beam_width,
+            top_k,
+            self.attention_backend,
         )
         sid_index, scores = out.sid_index.numpy(), out.scores.numpy()
         results = []
@@ -214,9 +233,43 @@ class Engine:
             if taken == num_results:
                 continue
             items = [i for i in self.catalog.items_of_semantic_id(sid) if i not in excluded]
-            result.items.extend(Recommendation(i, score, codes) for i in items)
+            result.items.extend(Recommendation(i, score, codes, self.titles.get(i)) for i in items)
             taken += bool(items)
         return result
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """Parse and check a device name. Raises XgrError for an unknown or unavailable device."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise XgrError(f"unknown device {device!r}: {exc}") from exc
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise XgrError(f"device {device!r} asked for, but this torch build sees no CUDA GPU")
+    if parsed.type not in ("cpu", "cuda"):
+        raise XgrError(f"device {device!r} is not supported; use 'cpu' or 'cuda'")
+    return parsed
+
+
+def select_attention_backend(device: torch.device) -> str:
+    """The decode-attention backend for ``device``, chosen once and logged.
+
+    Returns:
+        "triton" on CUDA devices, "torch" (the reference) elsewhere.
+
+    Raises:
+        XgrError: a CUDA device without Triton installed.
+    """
+    if device.type != "cuda":
+        backend = "torch"
+    else:
+        try:
+            import xgr.kernels.triton_decode_attention  # noqa: F401
+        except ImportError as exc:
+            raise XgrError(f"device {device} needs Triton for decode attention: {exc}") from exc
+        backend = "triton"
+    logger.info("decode attention backend: %s (device %s)", backend, device)
+    return backend
 
 
 def check_catalog_fingerprint(model_dir: Path, catalog: ItemCatalog) -> None:
@@ -236,6 +289,20 @@ def check_catalog_fingerprint(model_dir: Path, catalog: ItemCatalog) -> None:
             f"catalog fingerprint {catalog.fingerprint} does not match {saved} saved with the "
             f"model in {path}: the model was trained on another catalog"
         )
+
+
+def _load_titles(model_dir: Path) -> dict[str, str]:
+    """``items.json`` (item id -> title) of a model folder, or {} without one."""
+    path = model_dir / TITLES_FILE
+    if not path.exists():
+        return {}
+    try:
+        titles = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise XgrError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(titles, dict):
+        raise XgrError(f"{path} must be a JSON object of item id -> title")
+    return {str(k): str(v) for k, v in titles.items()}
 
 
 def _load_tokenizer(model_dir: Path) -> Any:

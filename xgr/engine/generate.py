@@ -50,6 +50,7 @@ def generate_semantic_ids(
     prompts: list[list[int]],
     beam_width: int,
     top_k: int,
+    attention_backend: str = "torch",
 ) -> GenerationOutput:
     """Constrained beam search over semantic IDs for a batch of tokenized prompts.
 
@@ -60,6 +61,7 @@ def generate_semantic_ids(
         prompts: R non-empty lists of token ids (validated by the caller).
         beam_width: beams kept per request.
         top_k: candidates per beam per step.
+        attention_backend: "torch" (reference) or "triton" (GPU kernel) decode attention.
 
     Returns:
         The best ``beam_width`` semantic IDs of each prompt with their scores, on the host.
@@ -103,7 +105,7 @@ def generate_semantic_ids(
     prefilled = time.perf_counter()
     prompt_lens = torch.tensor(seqlens, device=device)
     row_base = torch.arange(num_requests, device=device)[:, None] * beam_width
-    meta = DecodeMetadata(shared, beam, cu, beam_width)
+    meta = DecodeMetadata(shared, beam, cu, beam_width, attention_backend)
     for level in range(1, num_levels):
         ids = sid_token_ids[level - 1][state.codes].clamp(0, cfg.vocab_size - 1)
         pos = (prompt_lens + level - 1)[:, None].expand(num_requests, beam_width)

@@ -65,11 +65,14 @@ class BeamKV:
     Attributes:
         k, v: (num_layers, N, capacity, num_kv_heads, head_dim), model dtype; slot t holds
             the beam's t-th generated token.
+        rows: (N, capacity) int32, the row holding slot t of beam n; ``reorder`` keeps the
+            rows in place (row n holds beam n's tokens), so this is the identity map.
         length: slots written so far (the same for every beam: decoding is fixed-step).
     """
 
     k: torch.Tensor
     v: torch.Tensor
+    rows: torch.Tensor
     length: int = 0
 
     @classmethod
@@ -84,9 +87,11 @@ class BeamKV:
         device: torch.device,
     ) -> BeamKV:
         shape = (num_layers, num_rows, capacity, num_kv_heads, head_dim)
+        rows = torch.arange(num_rows, dtype=torch.int32, device=device)[:, None]
         return cls(
             torch.empty(shape, dtype=dtype, device=device),
             torch.empty(shape, dtype=dtype, device=device),
+            rows.expand(num_rows, capacity).contiguous(),
         )
 
     def reorder(self, parent_rows: torch.Tensor) -> None:

@@ -36,12 +36,14 @@ class DecodeMetadata:
         beam: the beams' unshared KV; each layer writes slot ``beam.length``.
         cu_seqlens: R + 1 host ints, prompt offsets.
         beam_width: beam rows per request (rows are request-major).
+        backend: "torch" (the reference) or "triton" (the GPU kernel), chosen by the engine.
     """
 
     shared: SharedKV
     beam: BeamKV
     cu_seqlens: list[int]
     beam_width: int
+    backend: str = "torch"
 
 
 class Attention(nn.Module):
@@ -98,14 +100,35 @@ class Attention(nn.Module):
             slot = meta.beam.length
             meta.beam.k[layer, :, slot] = k
             meta.beam.v[layer, :, slot] = v
-            out = decode_attention_reference(
-                q,
-                meta.shared.k[layer],
-                meta.shared.v[layer],
-                meta.cu_seqlens,
-                meta.beam.k[layer, :, : slot + 1],
-                meta.beam.v[layer, :, : slot + 1],
-                meta.beam_width,
-                self.scale,
+            out = (
+                self._decode(q, meta)
+                if meta.backend == "triton"
+                else decode_attention_reference(
+                    q,
+                    meta.shared.k[layer],
+                    meta.shared.v[layer],
+                    meta.cu_seqlens,
+                    meta.beam.k[layer, :, : slot + 1],
+                    meta.beam.v[layer, :, : slot + 1],
+                    meta.beam_width,
+                    self.scale,
+                )
             )
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+    def _decode(self, q: torch.Tensor, meta: DecodeMetadata) -> torch.Tensor:
+        from xgr.kernels.triton_decode_attention import beam_decode_attention
+
+        layer = self.layer_index
+        return beam_decode_attention(
+            q,
+            meta.shared.k[layer],
+            meta.shared.v[layer],
+            meta.shared.cu_seqlens,
+            meta.beam.k[layer],
+            meta.beam.v[layer],
+            meta.beam.rows,
+            meta.beam.length + 1,
+            meta.beam_width,
+            self.scale,
+        )

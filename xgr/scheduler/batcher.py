@@ -33,6 +33,7 @@ class QueuedRequest:
         beam_width, top_k, num_results: search parameters, already validated.
         exclude: item ids left out of the result.
         deadline: ``time.perf_counter()`` after which it is not started; None for no deadline.
+        recorded: counted in the metrics (False for the server's own warm-up request).
     """
 
     prompt: list[int]
@@ -42,6 +43,7 @@ class QueuedRequest:
     exclude: frozenset[str] = frozenset()
     deadline: float | None = None
     arrived: float = field(default_factory=time.perf_counter)
+    recorded: bool = True
     future: asyncio.Future | None = None
 
 
@@ -167,7 +169,7 @@ class RequestBatcher:
                 decode=result.decode_ms / 1e3,
                 e2e=finished - request.arrived,
             )
-            if self.metrics:
+            if self.metrics and request.recorded:
                 self.metrics.observe_request(times, result.prompt_tokens, FINISHED_REASON)
             if not request.future.done():
                 request.future.set_result(Answer(result, times))

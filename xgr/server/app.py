@@ -57,17 +57,13 @@ POST_ERRORS: dict[int | str, dict[str, Any]] = {
 STATUS_OF = {ModelNotFoundError: 404, PromptTooLongError: 413, DeadlineExceededError: 504}
 
 
-def create_app(
-    engine: Engine, titles: dict[str, str] | None = None, config: ServerConfig | None = None
-) -> FastAPI:
+def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
-        engine: the engine (its model and catalog).
-        titles: item id -> title, added to recommended items when present.
+        engine: the engine (its model, catalog and titles).
         config: limits and defaults.
     """
-    titles = titles or {}
     config = config or ServerConfig()
     metrics = ServingMetrics(engine.name)
     batcher = RequestBatcher(engine, config.max_batch_size, metrics)
@@ -78,7 +74,8 @@ def create_app(
         batcher.start()
         # /ready turns 200 only after one real generation: the first request pays no warm-up.
         first_item = engine.catalog.item_ids[0]
-        await batcher.submit(QueuedRequest(engine.history_prompt([first_item], True), 1, 1, 1))
+        warm_up = engine.history_prompt([first_item], truncate=True)
+        await batcher.submit(QueuedRequest(warm_up, 1, 1, 1, recorded=False))
         state["ready"] = True
         yield
         state["ready"] = False
@@ -158,7 +155,7 @@ def create_app(
         arrived = time.perf_counter()
         top_k = body.top_k or body.beam_width
         check_search(body.beam_width, body.num_results)
-        history = resolve_history(engine.catalog, body.history, titles)
+        history = resolve_history(engine.catalog, body.history, engine.titles)
         prompt = engine.tokenize(engine.history_prompt(history.item_ids, body.truncate_history))
         deadline = arrived + body.deadline_ms / 1e3 if body.deadline_ms else None
         answer = await batcher.submit(
@@ -180,7 +177,7 @@ def create_app(
                 RecommendedItem(
                     item_id=r.item_id,
                     score=r.score,
-                    title=titles.get(r.item_id),
+                    title=r.title,
                     semantic_id=engine.catalog.format_semantic_id(r.semantic_id),
                 )
                 for r in result.items

@@ -1,0 +1,279 @@
+"""Triton decode attention over a request's shared prompt KV plus each beam's own KV.
+
+One program handles one block of (beam, query head) rows of one request and one KV head:
+all beams of the request and all query heads sharing that KV head form the rows of a
+matrix, so each loaded prompt-KV tile serves every beam through one tensor-core product
+(the prompt KV is read once per request per step, not once per beam). The beams' own tokens
+(at most a few) are then folded into the same online softmax (Milakov & Gimelshein, 2018),
+which makes the merge of the two stages exact.
+
+Two launch modes, both tested against ``decode_attention_reference``:
+
+- fused: one launch does the shared part and the beam part;
+- staged: a first launch writes the shared part's output and log-sum-exp (float32), a
+  second resumes the online softmax from them for the beam part.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+# Tile sizes: rows are (beam, head-in-group) pairs; columns are prompt tokens.
+BLOCK_M = 64
+BLOCK_N = 64
+
+
+@triton.jit
+def _attend_prompt_tile(
+    q,
+    K,
+    V,
+    kv,
+    end,
+    kv_head,
+    stride_kt,
+    stride_kh,
+    d,
+    m_i,
+    l_i,
+    acc,
+    scale_log2,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One online-softmax update of all rows with prompt tokens kv .. kv + BLOCK_N."""
+    offs = kv + tl.arange(0, BLOCK_N)
+    ok = offs < end
+    kv_off = offs[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
+    k = tl.load(K + kv_off, mask=ok[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    s = tl.where(ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(V + kv_off, mask=ok[:, None], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _beam_decode_attention_kernel(
+    Q, K, V, BK, BV, ROWS, CU, OUT, PART, LSE,
+    stride_qn, stride_qh,
+    stride_kt, stride_kh,
+    stride_bn, stride_bt, stride_bh,
+    stride_rn,
+    stride_on, stride_oh,
+    beam_width, scale_log2,
+    NUM_BEAM_TOKENS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SHARED: tl.constexpr, BEAM: tl.constexpr, OUT_PARTIAL: tl.constexpr,
+    FOR_LOOP: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < beam_width * GROUP
+    n = req * beam_width + rows // GROUP  # beam row in the batch
+    head = kv_head * GROUP + rows % GROUP
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        Q + n[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+    # OUT is q-shaped; PART (float32, q-shaped, contiguous) and LSE ((N, heads), contiguous)
+    # carry the shared stage's result to the beam stage when staged.
+    num_heads = GROUP * tl.num_programs(1)
+    out_ptrs = OUT + n[:, None] * stride_on + head[:, None] * stride_oh + d[None, :]
+    part_ptrs = PART + (n[:, None] * num_heads + head[:, None]) * HEAD_DIM + d[None, :]
+    lse_ptrs = LSE + n * num_heads + head
+    if SHARED:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        start = tl.load(CU + req)
+        end = tl.load(CU + req + 1)
+        if FOR_LOOP:  # compiled: a for loop is software-pipelined
+            for kv in range(start, end, BLOCK_N):
+                m_i, l_i, acc = _attend_prompt_tile(
+                    q,
+                    K,
+                    V,
+                    kv,
+                    end,
+                    kv_head,
+                    stride_kt,
+                    stride_kh,
+                    d,
+                    m_i,
+                    l_i,
+                    acc,
+                    scale_log2,
+                    BLOCK_N,
+                    PRECISION,
+                )
+        else:  # Triton's interpreter cannot take loaded values as range() bounds
+            kv = start
+            while kv < end:
+                m_i, l_i, acc = _attend_prompt_tile(
+                    q,
+                    K,
+                    V,
+                    kv,
+                    end,
+                    kv_head,
+                    stride_kt,
+                    stride_kh,
+                    d,
+                    m_i,
+                    l_i,
+                    acc,
+                    scale_log2,
+                    BLOCK_N,
+                    PRECISION,
+                )
+                kv += BLOCK_N
+    else:
+        # Resume from the shared stage's result: m = lse (log2 units), l = 1, acc = out.
+        acc = tl.load(part_ptrs, mask=row_ok[:, None], other=0.0)
+        m_i = tl.load(lse_ptrs, mask=row_ok, other=0.0) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    if BEAM:
+        qf = q.to(tl.float32)
+        for j in tl.static_range(NUM_BEAM_TOKENS):  # a few tokens: unrolled
+            src = tl.load(ROWS + n * stride_rn + j, mask=row_ok, other=0)
+            b_off = src[:, None] * stride_bn + j * stride_bt + kv_head * stride_bh + d[None, :]
+            ku = tl.load(BK + b_off, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            s = tl.sum(qf * ku, 1) * scale_log2
+            m_new = tl.maximum(m_i, s)
+            p = tl.exp2(s - m_new)
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + p
+            vu = tl.load(BV + b_off, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + p[:, None] * vu
+            m_i = m_new
+    out = acc / l_i[:, None]
+    if OUT_PARTIAL:
+        tl.store(part_ptrs, out, mask=row_ok[:, None])
+        tl.store(lse_ptrs, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=row_ok)
+    else:
+        tl.store(out_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _check(
+    q: torch.Tensor,
+    shared_k: torch.Tensor,
+    shared_v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    beam_k: torch.Tensor,
+    beam_v: torch.Tensor,
+    beam_rows: torch.Tensor,
+    beam_width: int,
+) -> None:
+    rows, num_heads, head_dim = q.shape
+    if head_dim not in (16, 32, 64, 128) or q.stride(-1) != 1:
+        raise ValueError(f"head_dim must be 16/32/64/128 and contiguous, got {q.shape}")
+    if shared_k.dim() != 3 or shared_k.shape[2] != head_dim or shared_k.stride(-1) != 1:
+        raise ValueError(f"shared KV must be (tokens, kv_heads, {head_dim}), got {shared_k.shape}")
+    if shared_v.shape != shared_k.shape or shared_v.stride() != shared_k.stride():
+        raise ValueError("shared_k and shared_v must have the same shape and strides")
+    num_kv_heads = shared_k.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads}")
+    if rows != (cu_seqlens.numel() - 1) * beam_width:
+        raise ValueError(f"{rows} query rows for {cu_seqlens.numel() - 1} requests x {beam_width}")
+    if beam_k.dim() != 4 or beam_k.shape[2:] != (num_kv_heads, head_dim):
+        raise ValueError(
+            f"beam KV must be (rows, capacity, kv_heads, head_dim), got {beam_k.shape}"
+        )
+    if beam_v.stride() != beam_k.stride() or beam_k.stride(-1) != 1:
+        raise ValueError("beam_k and beam_v must have the same contiguous-last-dim strides")
+    if beam_rows.dtype != torch.int32 or beam_rows.shape[0] != rows or beam_rows.stride(-1) != 1:
+        raise ValueError(f"beam_rows must be ({rows}, capacity) int32, got {beam_rows.shape}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError("cu_seqlens must be int32 or int64")
+    dtypes = {t.dtype for t in (q, shared_k, shared_v, beam_k, beam_v)}
+    if len(dtypes) != 1 or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q and every KV tensor must share one float dtype, got {dtypes}")
+
+
+def beam_decode_attention(
+    q: torch.Tensor,
+    shared_k: torch.Tensor,
+    shared_v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    beam_k: torch.Tensor,
+    beam_v: torch.Tensor,
+    beam_rows: torch.Tensor,
+    num_beam_tokens: int,
+    beam_width: int,
+    scale: float,
+    staged: bool = False,
+) -> torch.Tensor:
+    """Decode attention of every beam over its request's prompt KV and its own tokens.
+
+    Args:
+        q: (R * beam_width, num_heads, head_dim) fp16/bf16/fp32, one query per beam.
+        shared_k, shared_v: (total_prompt_tokens, num_kv_heads, head_dim) packed prompt KV.
+        cu_seqlens: (R + 1,) int32/int64 prompt offsets, on the device; every prompt >= 1 token.
+        beam_k, beam_v: (rows, capacity, num_kv_heads, head_dim) beam tokens; slot j of
+            beam n is read at row ``beam_rows[n, j]``.
+        beam_rows: (R * beam_width, capacity) int32 row of each beam's j-th token.
+        num_beam_tokens: slots to read per beam (0 <= num_beam_tokens <= capacity).
+        beam_width: beams per request.
+        scale: softmax scale.
+        staged: two launches (shared, then beam part) instead of one fused launch.
+
+    Returns:
+        (R * beam_width, num_heads, head_dim) in q's dtype; accumulation is float32.
+
+    Raises:
+        ValueError: shapes, strides or dtypes that do not fit.
+    """
+    _check(q, shared_k, shared_v, cu_seqlens, beam_k, beam_v, beam_rows, beam_width)
+    rows, num_heads, head_dim = q.shape
+    num_kv_heads = shared_k.shape[1]
+    group = num_heads // num_kv_heads
+    num_requests = cu_seqlens.numel() - 1
+    grid = (triton.cdiv(beam_width * group, BLOCK_M), num_kv_heads, num_requests)
+    out = torch.empty_like(q)
+    staged_shape = (rows, num_heads, head_dim) if staged else (1, 1, 1)
+    partial = torch.empty(staged_shape, dtype=torch.float32, device=q.device)
+    lse = torch.empty(staged_shape[:2], dtype=torch.float32, device=q.device)
+
+    def launch(shared: bool, beam: bool, out_partial: bool) -> None:
+        _beam_decode_attention_kernel[grid](
+            q, shared_k, shared_v, beam_k, beam_v, beam_rows, cu_seqlens, out, partial, lse,
+            q.stride(0), q.stride(1),
+            shared_k.stride(0), shared_k.stride(1),
+            beam_k.stride(0), beam_k.stride(1), beam_k.stride(2),
+            beam_rows.stride(0),
+            out.stride(0), out.stride(1),
+            beam_width, scale * LOG2E,
+            NUM_BEAM_TOKENS=num_beam_tokens, GROUP=group, HEAD_DIM=head_dim,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+            SHARED=shared, BEAM=beam, OUT_PARTIAL=out_partial,
+            FOR_LOOP=q.is_cuda,
+            # float32 stays float32 on tensor cores (no tf32), so the engine stays exact.
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        )  # fmt: skip
+
+    if staged:
+        launch(shared=True, beam=False, out_partial=True)
+        launch(shared=False, beam=True, out_partial=False)
+    else:
+        launch(shared=True, beam=True, out_partial=False)
+    return out
+
+
+def default_scale(head_dim: int) -> float:
+    """The usual softmax scale, head_dim ** -0.5."""
+    return 1.0 / math.sqrt(head_dim)
