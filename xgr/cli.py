@@ -148,7 +148,7 @@ def recommend(
         model_dir = _model_dir(demo, model_dir, cache_dir)
         engine = _load_engine(model_dir, catalog_path, device, dtype)
         try:
-            resolved = resolve_history(engine.catalog, list(history), engine.titles)
+            resolved = resolve_history(engine.catalog, list(history), engine.title_index)
             started = time.perf_counter()
             (result,) = engine.recommend(
                 [engine.history_prompt(resolved.item_ids)],
@@ -224,7 +224,7 @@ def evaluate(
 @main.command()
 @_engine_options
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8000, show_default=True)
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
 @click.option("--max-beam-width", default=512, show_default=True, help="Largest beam width.")
 @click.option(
     "--default-beam-width",

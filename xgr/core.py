@@ -12,11 +12,16 @@ Invariants the engine keeps for every request:
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 
 class XgrError(ValueError):
     """Bad input to xgr: the message names the argument and what was wrong with it."""
+
+
+class ModelOutputError(XgrError):
+    """The model produced no finite log-probability for a prompt (e.g. fp16 overflow)."""
 
 
 class PromptTooLongError(XgrError):
@@ -61,8 +66,9 @@ class SearchParams:
     def __post_init__(self) -> None:
         for name in ("beam_width", "top_k", "num_results"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise XgrError(f"{name} must be an integer >= 1, got {value!r}")
+            object.__setattr__(self, name, int(value))  # numpy ints become plain ints
         if self.num_results > self.beam_width:
             raise XgrError(
                 f"num_results ({self.num_results}) must not exceed beam_width ({self.beam_width})"

@@ -409,3 +409,18 @@ def test_real_industrial_index():
     # Every item is listed under exactly its own semantic ID.
     total = sum(len(catalog.items_of_semantic_id(s)) for s in range(catalog.num_semantic_ids))
     assert total == 3686
+
+
+def test_huge_or_non_ascii_codes_are_malformed(tmp_path):
+    import json as _json
+
+    from xgr import ItemCatalog as _Catalog
+    from xgr.core import XgrError as _Error
+
+    for code in ["<a_" + "9" * 5000 + ">", "<a_\u0661>"]:
+        path = tmp_path / "index.json"
+        path.write_text(_json.dumps({"x": [code]}))
+        with pytest.raises(_Error, match="malformed code"):
+            _Catalog.from_index_json(path)
+    with pytest.raises(_Error, match="codebook_size"):
+        _Catalog.from_codes(["x"], [[1]], True)

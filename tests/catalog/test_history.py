@@ -77,3 +77,13 @@ def test_items_outside_the_catalog_are_unknown(catalog):
 def test_many_unknown_entries_are_counted(catalog):
     with pytest.raises(XgrError, match="and 5 more"):
         resolve_history(catalog, [f"x{i}" for i in range(25)])
+
+
+def test_title_starting_with_angle_bracket(catalog):
+    titles = {**TITLES, "50": "<3 Love (2001)"}
+    assert resolve_history(catalog, ["<3 Love (2001)"], titles).item_ids == ["50"]
+
+
+def test_huge_codes_in_entries_are_unknown_not_crashes(catalog):
+    with pytest.raises(XgrError, match="unknown items"):
+        resolve_history(catalog, ["<a_" + "9" * 5000 + "><b_1><c_1>"])

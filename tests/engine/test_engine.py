@@ -15,6 +15,7 @@ from tests.conftest import (
     write_random_model,
 )
 from xgr import Engine, ItemCatalog, XgrError
+from xgr.core import ModelOutputError
 
 OFFSET = 8
 
@@ -209,3 +210,69 @@ def test_missing_catalog_and_tokenizer_are_reported(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(XgrError, match="unsupported model_type"):
         Engine.from_pretrained(tmp_path, random_catalog(10, 3, 16, seed=1), sid_token_ids=[[0]])
+
+
+def test_non_finite_model_output_is_an_error_not_a_result(model_dirs):
+    engine = make_engine(model_dirs, random_catalog(50, 3, 16, seed=13))
+    engine.model.lm_head.weight.data.fill_(float("nan"))
+    with pytest.raises(ModelOutputError, match="no finite log-probability for prompts \\[0\\]"):
+        engine.recommend(random_prompts([4]), beam_width=4, num_results=2)
+
+
+@pytest.mark.parametrize(
+    "prompt", [[1.5, 2], [True, 3], ["7"], 5, None], ids=["float", "bool", "str-id", "int", "none"]
+)
+def test_prompts_must_be_token_id_lists(model_dirs, prompt):
+    engine = make_engine(model_dirs, random_catalog(50, 3, 16, seed=9))
+    with pytest.raises(XgrError, match="list of integer token ids"):
+        engine.recommend([prompt])
+
+
+def test_numpy_values_are_accepted(model_dirs):
+    engine = make_engine(model_dirs, random_catalog(50, 3, 16, seed=9))
+    (result,) = engine.recommend(
+        [np.array([1, 2, 3])], beam_width=np.int64(4), top_k=np.int32(4), num_results=np.int64(2)
+    )
+    assert len(result.semantic_ids) == 2
+
+
+def corrupt(folder, name, text):
+    (folder / name).write_text(text)
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "fragment"),
+    [
+        ("model.safetensors", "garbage", "SafetensorError"),
+        ("config.json", "[1, 2]", "cannot"),
+        ("config.json", '{"model_type": "qwen2", "num_attention_heads": 0}', "cannot load"),
+        ("xgr_catalog.json", "{broken", "cannot load"),
+        ("tokenizer.json", "[]", "cannot load"),
+    ],
+)
+def test_malformed_folders_raise_xgr_errors(tmp_path, name, text, fragment):
+    write_random_model(tmp_path, "qwen2")
+    write_code_tokenizer(tmp_path, 3, 16, OFFSET)
+    random_catalog(20, 3, 16, seed=1).to_index_json(tmp_path / "catalog.index.json")
+    corrupt(tmp_path, name, text)
+    with pytest.raises(XgrError, match=fragment):
+        Engine.from_pretrained(tmp_path)
+
+
+def test_missing_folder_and_model_without_room_for_a_prompt(tmp_path):
+    with pytest.raises(XgrError, match="does not exist"):
+        Engine.from_pretrained(tmp_path / "nope")
+    write_random_model(tmp_path, "qwen2", max_position_embeddings=2)
+    with pytest.raises(XgrError, match="leaves no room"):
+        Engine.from_pretrained(
+            tmp_path,
+            random_catalog(20, 3, 16, seed=1),
+            sid_token_ids=sequential_sid_map(3, 16, OFFSET),
+        )
+
+
+def test_bad_devices(model_dirs):
+    catalog = random_catalog(20, 3, 16, seed=1)
+    for device, fragment in [("foo", "unknown device"), ("mps", "not supported")]:
+        with pytest.raises(XgrError, match=fragment):
+            make_engine(model_dirs, catalog, device=device)

@@ -58,7 +58,18 @@ def reference(q, k, v, cu, bk, bv, beam_rows, tokens, beam_width, scale):
     return decode_attention_reference(q, k, v, cu, own_k, own_v, beam_width, scale)
 
 
-@pytest.mark.parametrize("staged", [False, True])
+MODES = {
+    "fused": dict(staged=False, config=kernel_module.LaunchConfig(num_splits=1)),
+    "staged": dict(staged=True, config=kernel_module.LaunchConfig(num_splits=1)),
+    # 3 splits: a 1-token or 5-token prompt leaves splits empty, which must weigh nothing.
+    "split3": dict(staged=False, config=kernel_module.LaunchConfig(num_splits=3)),
+    "split5_block16": dict(
+        staged=False, config=kernel_module.LaunchConfig(block_m=16, block_n=16, num_splits=5)
+    ),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(
     ("lengths", "beam_width", "num_heads", "num_kv_heads", "head_dim", "tokens"),
     [
@@ -70,7 +81,7 @@ def reference(q, k, v, cu, bk, bv, beam_rows, tokens, beam_width, scale):
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_kernel_matches_reference(
-    lengths, beam_width, num_heads, num_kv_heads, head_dim, tokens, dtype, staged
+    lengths, beam_width, num_heads, num_kv_heads, head_dim, tokens, dtype, mode
 ):
     if dtype == torch.bfloat16 and DEVICE == "cpu":
         pytest.skip("Triton's CPU interpreter does not compute in bfloat16; checked on the GPU")
@@ -82,7 +93,7 @@ def test_kernel_matches_reference(
     expected = reference(q, k, v, cu, bk, bv, beam_rows, tokens, beam_width, scale).float()
     cu_t = torch.tensor(cu, device=DEVICE)
     got = kernel_module.beam_decode_attention(
-        q, k, v, cu_t, bk, bv, beam_rows, tokens, beam_width, scale, staged=staged
+        q, k, v, cu_t, bk, bv, beam_rows, tokens, beam_width, scale, **MODES[mode]
     ).float()
     assert not torch.isnan(got).any()
     error = (got - expected).abs().max() / expected.abs().max()

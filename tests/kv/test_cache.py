@@ -42,6 +42,14 @@ def filled_beam_kv(num_layers=2, rows=6, capacity=4, length=2):
     return kv
 
 
+def test_rows_start_as_identity():
+    kv = filled_beam_kv(rows=5, capacity=3)
+    assert kv.rows.dtype == torch.int32
+    assert torch.equal(kv.rows, torch.arange(5, dtype=torch.int32)[:, None].expand(5, 3))
+    k, v = kv.gather(1, 3)
+    assert torch.equal(k, kv.k[1]) and torch.equal(v, kv.v[1])
+
+
 @pytest.mark.parametrize(
     "parents",
     [
@@ -54,48 +62,50 @@ def filled_beam_kv(num_layers=2, rows=6, capacity=4, length=2):
     ids=str,
 )
 @pytest.mark.parametrize("length", [1, 3, 4])
-def test_beam_kv_reorder(parents, length):
+def test_beam_kv_reorder_follows_parents_without_copying_kv(parents, length):
     kv = filled_beam_kv(length=length)
     k_before, v_before = kv.k.clone(), kv.v.clone()
-    k_ptr, v_ptr = kv.k.data_ptr(), kv.v.data_ptr()
-    k_obj, v_obj = kv.k, kv.v
+    before = [kv.gather(layer, length) for layer in range(2)]
+    rows_obj, rows_ptr = kv.rows, kv.rows.data_ptr()
     kv.reorder(torch.tensor(parents, dtype=torch.int64))
-    # In place: same tensors, same storage.
-    assert kv.k is k_obj and kv.v is v_obj
-    assert kv.k.data_ptr() == k_ptr and kv.v.data_ptr() == v_ptr
+    assert kv.rows is rows_obj and kv.rows.data_ptr() == rows_ptr  # the index, in place
+    assert torch.equal(kv.k, k_before) and torch.equal(kv.v, v_before)  # no KV moved
     assert kv.length == length
-    for row, parent in enumerate(parents):
-        assert torch.equal(kv.k[:, row, :length], k_before[:, parent, :length])
-        assert torch.equal(kv.v[:, row, :length], v_before[:, parent, :length])
-    # Unwritten slots are left alone.
-    assert torch.equal(kv.k[:, :, length:], k_before[:, :, length:])
-    assert torch.equal(kv.v[:, :, length:], v_before[:, :, length:])
+    for layer in range(2):
+        k, v = kv.gather(layer, length)
+        for row, parent in enumerate(parents):
+            assert torch.equal(k[row], before[layer][0][parent])
+            assert torch.equal(v[row], before[layer][1][parent])
+    # Columns not yet written stay the identity: the next token is written at each row.
+    assert torch.equal(
+        kv.rows[:, length:], torch.arange(6, dtype=torch.int32)[:, None].expand(6, 4 - length)
+    )
 
 
 def test_beam_kv_reorder_twice_composes():
     kv = filled_beam_kv(rows=4, length=2)
-    k_before = kv.k.clone()
+    k_first, _ = kv.gather(0, 2)
     first, second = [2, 2, 0, 1], [3, 0, 0, 2]
     kv.reorder(torch.tensor(first))
     kv.reorder(torch.tensor(second))
+    k, _ = kv.gather(0, 2)
     for row in range(4):
-        parent = first[second[row]]
-        assert torch.equal(kv.k[:, row, :2], k_before[:, parent, :2])
+        assert torch.equal(k[row], k_first[first[second[row]]])
+
+
+def test_new_token_then_reorder_keeps_each_beams_own_history():
+    kv = filled_beam_kv(rows=3, capacity=3, length=1)
+    kv.reorder(torch.tensor([2, 2, 0]))  # step 1 selection
+    kv.length = 2  # step 2 wrote slot 1 at rows 0..2
+    kv.reorder(torch.tensor([1, 0, 0]))  # step 2 selection
+    k, _ = kv.gather(0, 2)
+    # New beam 0 continues old beam 1 (which continued beam 2): tokens at rows (2, 1).
+    assert torch.equal(k[0, 0], kv.k[0, 2, 0]) and torch.equal(k[0, 1], kv.k[0, 1, 1])
+    assert torch.equal(k[1, 0], kv.k[0, 2, 0]) and torch.equal(k[1, 1], kv.k[0, 0, 1])
 
 
 def test_beam_kv_reorder_with_nothing_written_changes_nothing():
     kv = filled_beam_kv(length=0)
-    k_before, v_before = kv.k.clone(), kv.v.clone()
+    rows_before = kv.rows.clone()
     kv.reorder(torch.tensor([5, 5, 5, 0, 0, 0]))
-    assert torch.equal(kv.k, k_before)
-    assert torch.equal(kv.v, v_before)
-
-
-def test_beam_kv_reorder_per_request_rows():
-    # Two requests with beam width 3: row r * 3 + b; parents are global row indices.
-    kv = filled_beam_kv(num_layers=1, rows=6, capacity=3, length=1)
-    before = kv.k.clone()
-    parents = torch.tensor([2, 2, 0, 3, 5, 5])
-    kv.reorder(parents)
-    for row in range(6):
-        assert torch.equal(kv.k[0, row, 0], before[0, int(parents[row]), 0])
+    assert torch.equal(kv.rows, rows_before)

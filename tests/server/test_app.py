@@ -216,6 +216,10 @@ def test_metrics_move_with_traffic(client, engine):
         ("/v1/completions", {"prompt": [1], "n": 3, "beam_width": 2}, 400, "num_results"),
         ("/v1/completions", {"prompt": [1] * 300}, 413, "exceeds"),
         ("/v1/completions", {"prompt": {"a": 1}}, 422, "prompt"),
+        ("/v1/completions", {"prompt": [[1]] * 257}, 400, "at most 256"),
+        ("/v1/recommend", {"history": [True]}, 422, "history"),
+        ("/v1/recommend", {"history": ["item1"], "beam_width": True}, 422, "beam_width"),
+        ("/v1/recommend", {"history": ["<a_" + "9" * 5000 + "><b_1><c_1>"]}, 400, "unknown"),
     ],
 )
 def test_bad_requests_get_4xx_with_a_reason(client, path, body, status, fragment):
@@ -243,3 +247,16 @@ def test_malformed_json_and_huge_body(client):
         "/v1/recommend", content=chunks(), headers={"content-type": "application/json"}
     )
     assert response.status_code == 413
+
+
+def test_completion_indexes_follow_openai_numbering_with_a_small_catalog(tmp_path):
+    from tests.conftest import random_catalog, sequential_sid_map, write_random_model
+
+    write_random_model(tmp_path, "qwen2")
+    catalog = random_catalog(4, 3, 16, seed=3)  # at most 4 semantic IDs per prompt
+    engine = Engine.from_pretrained(tmp_path, catalog, sid_token_ids=sequential_sid_map(3, 16, 8))
+    with TestClient(create_app(engine)) as client:
+        body = {"prompt": [[1, 2], [3, 4]], "n": 6, "beam_width": 8}
+        choices = client.post("/v1/completions", json=body).json()["choices"]
+    count = catalog.num_semantic_ids
+    assert [c["index"] for c in choices] == [*range(count), *range(6, 6 + count)]

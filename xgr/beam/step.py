@@ -69,7 +69,8 @@ def constrained_beam_step(
     width = codes.shape[1]
     token_ids = level_token_ids[codes].clamp(0, vocab - 1)
     cand = log_probs.reshape(-1, vocab).gather(1, token_ids) + state.scores.reshape(-1, 1)
-    cand = cand.masked_fill(~valid, NEG_INF)
+    # NaN (a numerically broken model) must not win a place: such candidates are dropped.
+    cand = cand.masked_fill(~valid | torch.isnan(cand), NEG_INF)
     k = min(top_k, width)
     beam_best, beam_slot = cand.topk(k, dim=1)  # [R * B_prev, k]
     pool = beam_best.view(num_requests, prev_beams * k)

@@ -1,7 +1,7 @@
 """Catalogs of items and semantic IDs, and the valid-path trie used to constrain beam search."""
 
 from xgr.catalog.catalog import CATALOG_METADATA_FILE, ItemCatalog
-from xgr.catalog.history import ResolvedHistory, resolve_history
+from xgr.catalog.history import ResolvedHistory, TitleIndex, resolve_history
 from xgr.catalog.trie import PrefixTrie, TrieLevel, build_prefix_trie
 
 __all__ = [
@@ -9,6 +9,7 @@ __all__ = [
     "ItemCatalog",
     "PrefixTrie",
     "ResolvedHistory",
+    "TitleIndex",
     "TrieLevel",
     "build_prefix_trie",
     "resolve_history",

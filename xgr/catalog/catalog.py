@@ -17,7 +17,9 @@ from xgr.core import XgrError
 # Default level letters for catalogs built from integer codes: level 0 is "a", level 1 "b", ...
 DEFAULT_LEVEL_NAMES = "abcdefghijklmnopqrstuvwxyz"
 _LEVEL_NAME = re.compile(r"[a-z]+")
-_CODE_TOKEN = re.compile(r"<([a-z]+)_(\d+)>")
+# At most 9 ASCII digits: codes are small ints, and int() of a huge digit string is refused.
+_CODE_TOKEN = re.compile(r"<([a-z]+)_([0-9]{1,9})>")
+MAX_CODEBOOK_SIZE = 1 << 20
 # File written beside a model trained on a catalog, holding the catalog's fingerprint.
 CATALOG_METADATA_FILE = "xgr_catalog.json"
 
@@ -60,8 +62,15 @@ class ItemCatalog:
         max_code = int(codes.max())
         if codebook_size is None:
             codebook_size = max_code + 1
-        if not isinstance(codebook_size, int | np.integer) or codebook_size < 1:
-            raise XgrError(f"codebook_size must be an integer >= 1, got {codebook_size!r}")
+        if (
+            isinstance(codebook_size, bool)
+            or not isinstance(codebook_size, int | np.integer)
+            or not 1 <= codebook_size <= MAX_CODEBOOK_SIZE
+        ):
+            raise XgrError(
+                f"codebook_size must be an integer in [1, {MAX_CODEBOOK_SIZE}], "
+                f"got {codebook_size!r}"
+            )
         if max_code >= codebook_size:
             row = int(np.argwhere(codes >= codebook_size)[0][0])
             raise XgrError(

@@ -10,6 +10,8 @@ from xgr.catalog.catalog import ItemCatalog
 from xgr.core import XgrError
 
 MAX_NAMED_UNKNOWN = 20
+# difflib is quadratic-ish in the number of titles: suggestions only for catalogs this small.
+MAX_TITLES_FOR_SUGGESTIONS = 20_000
 
 
 @dataclass
@@ -26,10 +28,43 @@ class ResolvedHistory:
     excluded: set[str] = field(default_factory=set)
 
 
+class TitleIndex:
+    """Catalog items by title, built once per catalog (exact and case-folded lookups).
+
+    Args:
+        catalog: the served catalog; titles of items outside it are ignored.
+        titles: item id -> title.
+    """
+
+    def __init__(self, catalog: ItemCatalog, titles: Mapping[str, str]) -> None:
+        self.exact: dict[str, str] = {}
+        self.folded: dict[str, str] = {}
+        for item_id in catalog.item_ids:
+            title = titles.get(item_id)
+            if title is not None:
+                self.exact.setdefault(title, item_id)
+                self.folded.setdefault(_fold(title), item_id)
+
+    def __len__(self) -> int:
+        return len(self.exact)
+
+    def lookup(self, text: str) -> str | None:
+        """The item titled ``text`` (exactly, else ignoring case and spacing), or None."""
+        return self.exact.get(text.strip()) or self.folded.get(_fold(text))
+
+    def close_titles(self, text: str) -> list[str]:
+        """Up to 5 titles close to ``text`` (none for catalogs over 20,000 titles)."""
+        if len(self.folded) > MAX_TITLES_FOR_SUGGESTIONS:
+            return []
+        close = difflib.get_close_matches(_fold(text), list(self.folded), n=5, cutoff=0.5)
+        by_fold = {_fold(title): title for title in self.exact}
+        return [by_fold[c] for c in close]
+
+
 def resolve_history(
     catalog: ItemCatalog,
     entries: Sequence[str | int],
-    titles: Mapping[str, str] | None = None,
+    titles: TitleIndex | Mapping[str, str] | None = None,
 ) -> ResolvedHistory:
     """Turn history entries into catalog items.
 
@@ -41,71 +76,56 @@ def resolve_history(
     Args:
         catalog: the served catalog.
         entries: the user's items, oldest first.
-        titles: item id -> title; without it titles are not looked up.
+        titles: a ``TitleIndex`` (or item id -> title); without it titles are not looked up.
 
     Raises:
         XgrError: naming every entry that matched nothing (up to 20), with close titles
             when titles are known.
     """
-    exact, folded = _title_index(catalog, titles or {})
+    if titles is not None and not isinstance(titles, TitleIndex):
+        titles = TitleIndex(catalog, titles)
     resolved = ResolvedHistory()
     unknown: list[str] = []
     for entry in entries:
         text = str(entry)
-        if text in catalog.item_index:
-            resolved.item_ids.append(text)
-            resolved.excluded.add(text)
-            continue
-        if text.startswith("<"):
-            try:
-                items = catalog.items_of_semantic_id(
-                    catalog.find_semantic_id(catalog.parse_semantic_id(text))
-                )
-            except XgrError:
-                unknown.append(text)
-                continue
-            resolved.item_ids.append(items[0])
-            resolved.excluded.update(items)
-            continue
-        item_id = exact.get(text.strip()) or folded.get(_fold(text))
-        if item_id is None:
+        items = _lookup(catalog, text, titles)
+        if not items:
             unknown.append(text)
             continue
-        resolved.item_ids.append(item_id)
-        resolved.excluded.add(item_id)
+        resolved.item_ids.append(items[0])
+        resolved.excluded.update(items)
     if unknown:
-        raise XgrError(_unknown_message(unknown, exact, folded))
+        raise XgrError(_unknown_message(unknown, titles))
     return resolved
 
 
-def _title_index(
-    catalog: ItemCatalog, titles: Mapping[str, str]
-) -> tuple[dict[str, str], dict[str, str]]:
-    exact: dict[str, str] = {}
-    folded: dict[str, str] = {}
-    for item_id in catalog.item_ids:
-        title = titles.get(item_id)
-        if title is not None:
-            exact.setdefault(title, item_id)
-            folded.setdefault(_fold(title), item_id)
-    return exact, folded
+def _lookup(catalog: ItemCatalog, text: str, titles: TitleIndex | None) -> list[str]:
+    """The items an entry stands for (first: the one for the prompt), or [] if none."""
+    if text in catalog.item_index:
+        return [text]
+    if text.startswith("<"):
+        try:
+            codes = catalog.parse_semantic_id(text)
+        except XgrError:
+            pass  # maybe a title that starts with "<"
+        else:
+            return catalog.items_of_semantic_id(catalog.find_semantic_id(codes))
+    item_id = titles.lookup(text) if titles is not None else None
+    return [item_id] if item_id is not None else []
 
 
 def _fold(title: str) -> str:
     return " ".join(title.split()).casefold()
 
 
-def _unknown_message(unknown: list[str], exact: dict[str, str], folded: dict[str, str]) -> str:
+def _unknown_message(unknown: list[str], titles: TitleIndex | None) -> str:
     shown = ", ".join(repr(u[:64]) for u in unknown[:MAX_NAMED_UNKNOWN])
     more = len(unknown) - MAX_NAMED_UNKNOWN
     message = f"unknown items in history: {shown}" + (f" and {more} more" if more > 0 else "")
-    if exact:
-        close = difflib.get_close_matches(_fold(unknown[0]), list(folded), n=5, cutoff=0.5)
-        by_fold = {_fold(title): title for title in exact}
+    if titles:
+        close = titles.close_titles(unknown[0][:256])
         if close:
-            message += f"; titles close to {unknown[0]!r}: " + ", ".join(
-                repr(by_fold[c]) for c in close
-            )
+            message += f"; titles close to {unknown[0][:64]!r}: " + ", ".join(map(repr, close))
         else:
             message += "; give item ids, semantic IDs or titles with their year"
     return message

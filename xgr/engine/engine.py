@@ -10,9 +10,17 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 
-from xgr.catalog import CATALOG_METADATA_FILE, ItemCatalog
-from xgr.core import PromptTooLongError, Recommendation, RecommendResult, SearchParams, XgrError
+from xgr.catalog import CATALOG_METADATA_FILE, ItemCatalog, TitleIndex
+from xgr.core import (
+    ModelOutputError,
+    PromptTooLongError,
+    Recommendation,
+    RecommendResult,
+    SearchParams,
+    XgrError,
+)
 from xgr.engine.generate import generate_semantic_ids
 from xgr.engine.prompt import PromptFormat
 from xgr.models import CausalLM, load_causal_lm
@@ -64,12 +72,18 @@ class Engine:
         self.name = name
         self.prompt_format = prompt_format or PromptFormat()
         self.titles = titles or {}
+        self.title_index = TitleIndex(catalog, self.titles)
         self.device = model.lm_head.weight.device
         table = validate_sid_token_ids(sid_token_ids, catalog, model.config.vocab_size)
         self.sid_token_ids = torch.from_numpy(table).to(self.device)
         self._sid_token_ids_host = table
         self.trie = catalog.trie.to(self.device)
-        self.attention_backend = select_attention_backend(self.device)
+        self.attention_backend = select_attention_backend(self.device, model.config.head_dim)
+        if self.max_prompt_tokens < 1:
+            raise XgrError(
+                f"max_position_embeddings {model.config.max_position_embeddings} leaves no room "
+                f"for a prompt and {catalog.num_levels} generated codes"
+            )
 
     @classmethod
     def from_pretrained(
@@ -85,7 +99,7 @@ class Engine:
         Args:
             model_dir: HF folder with config.json and safetensors weights (single or sharded).
             catalog: the catalog; default ``<model_dir>/catalog.index.json``.
-            device: torch device ("cpu" here; "cuda" once the GPU path lands).
+            device: "cpu" (the torch reference path) or "cuda" (Triton decode attention).
             dtype: "float32", "bfloat16" or "float16".
             sid_token_ids: (num_levels, codebook_size) code -> token id map; default found
                 from the folder's tokenizer tokens named like the catalog's codes (``<a_12>``).
@@ -95,7 +109,28 @@ class Engine:
                 differs from the one saved beside the model, or a code map that does not fit.
         """
         model_dir = Path(model_dir)
+        if not model_dir.is_dir():
+            raise XgrError(f"model folder {model_dir} does not exist")
         device = resolve_device(device)
+        try:
+            return cls._load(model_dir, catalog, device, dtype, sid_token_ids)
+        except XgrError:
+            raise
+        except (
+            OSError,
+            ValueError,
+            KeyError,
+            TypeError,
+            AttributeError,
+            ZeroDivisionError,
+            SafetensorError,
+        ) as exc:  # a malformed file anywhere in the folder
+            raise XgrError(
+                f"cannot load model folder {model_dir}: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    @classmethod
+    def _load(cls, model_dir, catalog, device, dtype, sid_token_ids) -> Engine:
         if catalog is None:
             path = model_dir / DEFAULT_CATALOG_FILE
             if not path.exists():
@@ -142,7 +177,12 @@ class Engine:
                 raise XgrError("string prompts need a tokenizer in the model folder")
             tokens = list(self.tokenizer.encode(prompt, add_special_tokens=False).ids)
         else:
-            tokens = [int(t) for t in prompt]
+            raw = prompt.tolist() if hasattr(prompt, "tolist") else prompt
+            if not isinstance(raw, list | tuple) or not all(
+                isinstance(t, int | np.integer) and not isinstance(t, bool) for t in raw
+            ):
+                raise XgrError("a prompt is a string or a list of integer token ids")
+            tokens = [int(t) for t in raw]
         if not tokens:
             raise XgrError("empty prompt: at least one token is needed")
         if len(tokens) > self.max_prompt_tokens:
@@ -185,12 +225,12 @@ class Engine:
         """
         if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence):
             raise XgrError("prompts must be a list of prompts")
-        if isinstance(num_results, int):
+        if not isinstance(num_results, Sequence):  # one value for every prompt
             num_results = [num_results] * len(prompts)
         if len(num_results) != len(prompts):
             raise XgrError("num_results needs one entry per prompt")
-        SearchParams(beam_width, top_k, 1)  # beam_width and top_k, even for no prompts
-        params = [SearchParams(beam_width, top_k, n) for n in num_results]
+        search = SearchParams(beam_width, top_k, 1)  # validated even for no prompts
+        params = [SearchParams(search.beam_width, search.top_k, n) for n in num_results]
         tokenized = [self.tokenize(p) for p in prompts]
         if exclude_item_ids is not None and len(exclude_item_ids) != len(prompts):
             raise XgrError("exclude_item_ids needs one entry per prompt")
@@ -201,11 +241,19 @@ class Engine:
             self.trie,
             self.sid_token_ids,
             tokenized,
-            beam_width,
-            top_k,
+            search.beam_width,
+            search.top_k,
             self.attention_backend,
         )
         sid_index, scores = out.sid_index.numpy(), out.scores.numpy()
+        # Every live beam has a valid continuation, so no finite score means NaN or -inf
+        # log-probabilities everywhere: a broken model or an overflowing dtype.
+        broken = [i for i in range(len(tokenized)) if not np.isfinite(scores[i, 0])]
+        if broken:
+            raise ModelOutputError(
+                f"the model gave no finite log-probability for prompts {broken[:10]} "
+                f"(dtype {self.model.lm_head.weight.dtype}); try float32 or bfloat16"
+            )
         results = []
         for i, tokens in enumerate(tokenized):
             excluded = {str(x) for x in exclude_item_ids[i]} if exclude_item_ids else set()
@@ -248,25 +296,32 @@ def resolve_device(device: str | torch.device) -> torch.device:
         raise XgrError(f"device {device!r} asked for, but this torch build sees no CUDA GPU")
     if parsed.type not in ("cpu", "cuda"):
         raise XgrError(f"device {device!r} is not supported; use 'cpu' or 'cuda'")
+    if parsed.type == "cuda" and (parsed.index or 0) >= torch.cuda.device_count():
+        raise XgrError(f"device {device!r}: this machine has {torch.cuda.device_count()} GPUs")
     return parsed
 
 
-def select_attention_backend(device: torch.device) -> str:
+def select_attention_backend(device: torch.device, head_dim: int) -> str:
     """The decode-attention backend for ``device``, chosen once and logged.
 
     Returns:
         "triton" on CUDA devices, "torch" (the reference) elsewhere.
 
     Raises:
-        XgrError: a CUDA device without Triton installed.
+        XgrError: a CUDA device without Triton installed, or a head_dim the kernel lacks.
     """
     if device.type != "cuda":
         backend = "torch"
     else:
         try:
-            import xgr.kernels.triton_decode_attention  # noqa: F401
+            from xgr.kernels.triton_decode_attention import SUPPORTED_HEAD_DIMS
         except ImportError as exc:
             raise XgrError(f"device {device} needs Triton for decode attention: {exc}") from exc
+        if head_dim not in SUPPORTED_HEAD_DIMS:
+            raise XgrError(
+                f"head_dim {head_dim} is not supported by the GPU decode kernel "
+                f"({SUPPORTED_HEAD_DIMS}); serve this model on the CPU"
+            )
         backend = "triton"
     logger.info("decode attention backend: %s (device %s)", backend, device)
     return backend

@@ -16,16 +16,13 @@ Two launch modes, both tested against ``decode_attention_reference``:
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-# Tile sizes: rows are (beam, head-in-group) pairs; columns are prompt tokens.
-BLOCK_M = 64
-BLOCK_N = 64
 
 
 @triton.jit
@@ -70,15 +67,27 @@ def _beam_decode_attention_kernel(
     stride_bn, stride_bt, stride_bh,
     stride_rn,
     stride_on, stride_oh,
-    beam_width, scale_log2,
+    num_rows, beam_width, scale_log2,
     NUM_BEAM_TOKENS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
     SHARED: tl.constexpr, BEAM: tl.constexpr, OUT_PARTIAL: tl.constexpr,
     FOR_LOOP: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
+    """Grid: (row blocks, KV heads, requests x SPLITS) for the shared stage, else requests.
+
+    SHARED: attend to split ``pid % SPLITS`` of the request's prompt; otherwise start from
+    the SPLITS partial results in PART / LSE. BEAM: then attend to the beam's own tokens.
+    OUT_PARTIAL: write float32 output and log-sum-exp of this split to PART / LSE (laid out
+    (SPLITS, rows, heads, HEAD_DIM) and (SPLITS, rows, heads)); otherwise the final output.
+    """
     pid_m = tl.program_id(0)
     kv_head = tl.program_id(1)
-    req = tl.program_id(2)
+    if SHARED:
+        req = tl.program_id(2) // SPLITS
+        split = tl.program_id(2) % SPLITS
+    else:
+        req = tl.program_id(2)
+        split = 0
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < beam_width * GROUP
     n = req * beam_width + rows // GROUP  # beam row in the batch
@@ -86,66 +95,53 @@ def _beam_decode_attention_kernel(
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(
         Q + n[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
-        mask=row_ok[:, None],
-        other=0.0,
-    )
-    # OUT is q-shaped; PART (float32, q-shaped, contiguous) and LSE ((N, heads), contiguous)
-    # carry the shared stage's result to the beam stage when staged.
+        mask=row_ok[:, None], other=0.0,
+    )  # fmt: skip
     num_heads = GROUP * tl.num_programs(1)
     out_ptrs = OUT + n[:, None] * stride_on + head[:, None] * stride_oh + d[None, :]
-    part_ptrs = PART + (n[:, None] * num_heads + head[:, None]) * HEAD_DIM + d[None, :]
-    lse_ptrs = LSE + n * num_heads + head
+    lse_offs = n * num_heads + head  # within one split
+    part_offs = lse_offs[:, None] * HEAD_DIM + d[None, :]
+    split_lse = num_rows * num_heads  # elements per split in LSE
     if SHARED:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         start = tl.load(CU + req)
         end = tl.load(CU + req + 1)
+        chunk = tl.cdiv(tl.cdiv(end - start, SPLITS), BLOCK_N) * BLOCK_N
+        lo = start + split * chunk
+        hi = tl.minimum(end, lo + chunk)
         if FOR_LOOP:  # compiled: a for loop is software-pipelined
-            for kv in range(start, end, BLOCK_N):
+            for kv in range(lo, hi, BLOCK_N):
                 m_i, l_i, acc = _attend_prompt_tile(
-                    q,
-                    K,
-                    V,
-                    kv,
-                    end,
-                    kv_head,
-                    stride_kt,
-                    stride_kh,
-                    d,
-                    m_i,
-                    l_i,
-                    acc,
-                    scale_log2,
-                    BLOCK_N,
-                    PRECISION,
-                )
+                    q, K, V, kv, hi, kv_head, stride_kt, stride_kh, d, m_i, l_i, acc,
+                    scale_log2, BLOCK_N, PRECISION,
+                )  # fmt: skip
         else:  # Triton's interpreter cannot take loaded values as range() bounds
-            kv = start
-            while kv < end:
+            kv = lo
+            while kv < hi:
                 m_i, l_i, acc = _attend_prompt_tile(
-                    q,
-                    K,
-                    V,
-                    kv,
-                    end,
-                    kv_head,
-                    stride_kt,
-                    stride_kh,
-                    d,
-                    m_i,
-                    l_i,
-                    acc,
-                    scale_log2,
-                    BLOCK_N,
-                    PRECISION,
-                )
+                    q, K, V, kv, hi, kv_head, stride_kt, stride_kh, d, m_i, l_i, acc,
+                    scale_log2, BLOCK_N, PRECISION,
+                )  # fmt: skip
                 kv += BLOCK_N
     else:
-        # Resume from the shared stage's result: m = lse (log2 units), l = 1, acc = out.
-        acc = tl.load(part_ptrs, mask=row_ok[:, None], other=0.0)
-        m_i = tl.load(lse_ptrs, mask=row_ok, other=0.0) * 1.4426950408889634
+        # Merge the splits (split 0 always holds tokens: every prompt has at least one).
+        acc = tl.load(PART + part_offs, mask=row_ok[:, None], other=0.0)
+        m_i = tl.load(LSE + lse_offs, mask=row_ok, other=0.0) * 1.4426950408889634
         l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+        for s in tl.static_range(1, SPLITS):
+            lse_s = tl.load(LSE + s * split_lse + lse_offs, mask=row_ok, other=0.0)
+            lse_s = lse_s * 1.4426950408889634
+            out_s = tl.load(
+                PART + s * split_lse * HEAD_DIM + part_offs, mask=row_ok[:, None], other=0.0
+            )
+            m_new = tl.maximum(m_i, lse_s)
+            alpha = tl.exp2(m_i - m_new)
+            weight = tl.exp2(lse_s - m_new)  # 0 for an empty split (lse -inf)
+            acc = acc * alpha[:, None] + weight[:, None] * out_s
+            l_i = l_i * alpha + weight
+            m_i = m_new
     if BEAM:
         qf = q.to(tl.float32)
         for j in tl.static_range(NUM_BEAM_TOKENS):  # a few tokens: unrolled
@@ -160,11 +156,15 @@ def _beam_decode_attention_kernel(
             vu = tl.load(BV + b_off, mask=row_ok[:, None], other=0.0).to(tl.float32)
             acc = acc * alpha[:, None] + p[:, None] * vu
             m_i = m_new
-    out = acc / l_i[:, None]
     if OUT_PARTIAL:
-        tl.store(part_ptrs, out, mask=row_ok[:, None])
-        tl.store(lse_ptrs, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=row_ok)
+        # An empty split (short prompt, many splits) writes 0 and lse -inf: it weighs nothing.
+        safe_l = tl.where(l_i > 0, l_i, 1.0)  # acc is 0 where l is 0
+        out = acc / safe_l[:, None]
+        tl.store(PART + split * split_lse * HEAD_DIM + part_offs, out, mask=row_ok[:, None])
+        lse = tl.where(l_i > 0, (m_i + tl.log2(safe_l)) * 0.6931471805599453, float("-inf"))
+        tl.store(LSE + split * split_lse + lse_offs, lse, mask=row_ok)
     else:
+        out = acc / l_i[:, None]
         tl.store(out_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
 
 
@@ -179,7 +179,7 @@ def _check(
     beam_width: int,
 ) -> None:
     rows, num_heads, head_dim = q.shape
-    if head_dim not in (16, 32, 64, 128) or q.stride(-1) != 1:
+    if head_dim not in SUPPORTED_HEAD_DIMS or q.stride(-1) != 1:
         raise ValueError(f"head_dim must be 16/32/64/128 and contiguous, got {q.shape}")
     if shared_k.dim() != 3 or shared_k.shape[2] != head_dim or shared_k.stride(-1) != 1:
         raise ValueError(f"shared KV must be (tokens, kv_heads, {head_dim}), got {shared_k.shape}")
@@ -205,6 +205,41 @@ def _check(
         raise ValueError(f"q and every KV tensor must share one float dtype, got {dtypes}")
 
 
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile sizes and parallelism of one launch.
+
+    Attributes:
+        block_m: (beam, head) rows per program.
+        block_n: prompt tokens per loop step; None: 128 for head_dim <= 64, else 64.
+        num_warps, num_stages: Triton's warps per program and software-pipeline depth.
+        num_splits: programs sharing one request's prompt (split-KV, merged exactly by
+            log-sum-exp); None: as many as fit in one wave beside the other programs.
+
+    The defaults are the fastest of a sweep on an H200 (benchmarks/attention.py --sweep, at
+    L=3000, B=512, one request, both benchmark shapes).
+    """
+
+    block_m: int = 64
+    block_n: int | None = None
+    num_warps: int = 4
+    num_stages: int = 3
+    num_splits: int | None = None
+
+
+DEFAULT_LAUNCH = LaunchConfig()
+MAX_SPLITS = 16
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+
+
+def choose_num_splits(programs: int, device: torch.device) -> int:
+    """Splits that fill the SMs only when the grid alone leaves most of them idle."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(MAX_SPLITS, sms // programs))
+
+
 def beam_decode_attention(
     q: torch.Tensor,
     shared_k: torch.Tensor,
@@ -217,6 +252,7 @@ def beam_decode_attention(
     beam_width: int,
     scale: float,
     staged: bool = False,
+    config: LaunchConfig = DEFAULT_LAUNCH,
 ) -> torch.Tensor:
     """Decode attention of every beam over its request's prompt KV and its own tokens.
 
@@ -230,7 +266,9 @@ def beam_decode_attention(
         num_beam_tokens: slots to read per beam (0 <= num_beam_tokens <= capacity).
         beam_width: beams per request.
         scale: softmax scale.
-        staged: two launches (shared, then beam part) instead of one fused launch.
+        staged: always two launches (prompt part, then merge + beam part); otherwise one
+            fused launch when a single split suffices.
+        config: tile sizes, warps, pipeline depth and split count.
 
     Returns:
         (R * beam_width, num_heads, head_dim) in q's dtype; accumulation is float32.
@@ -243,37 +281,39 @@ def beam_decode_attention(
     num_kv_heads = shared_k.shape[1]
     group = num_heads // num_kv_heads
     num_requests = cu_seqlens.numel() - 1
-    grid = (triton.cdiv(beam_width * group, BLOCK_M), num_kv_heads, num_requests)
+    row_blocks = triton.cdiv(beam_width * group, config.block_m)
+    block_n = config.block_n or (128 if head_dim <= 64 else 64)
+    splits = config.num_splits or choose_num_splits(
+        row_blocks * num_kv_heads * num_requests, q.device
+    )
     out = torch.empty_like(q)
-    staged_shape = (rows, num_heads, head_dim) if staged else (1, 1, 1)
-    partial = torch.empty(staged_shape, dtype=torch.float32, device=q.device)
-    lse = torch.empty(staged_shape[:2], dtype=torch.float32, device=q.device)
+    two_stage = staged or splits > 1
+    part_shape = (splits, rows, num_heads, head_dim) if two_stage else (1, 1, 1, 1)
+    partial = torch.empty(part_shape, dtype=torch.float32, device=q.device)
+    lse = torch.empty(part_shape[:3], dtype=torch.float32, device=q.device)
 
     def launch(shared: bool, beam: bool, out_partial: bool) -> None:
-        _beam_decode_attention_kernel[grid](
+        programs = num_requests * splits if shared else num_requests
+        _beam_decode_attention_kernel[(row_blocks, num_kv_heads, programs)](
             q, shared_k, shared_v, beam_k, beam_v, beam_rows, cu_seqlens, out, partial, lse,
             q.stride(0), q.stride(1),
             shared_k.stride(0), shared_k.stride(1),
             beam_k.stride(0), beam_k.stride(1), beam_k.stride(2),
             beam_rows.stride(0),
             out.stride(0), out.stride(1),
-            beam_width, scale * LOG2E,
+            rows, beam_width, scale * LOG2E,
             NUM_BEAM_TOKENS=num_beam_tokens, GROUP=group, HEAD_DIM=head_dim,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+            BLOCK_M=config.block_m, BLOCK_N=block_n, SPLITS=splits,
             SHARED=shared, BEAM=beam, OUT_PARTIAL=out_partial,
             FOR_LOOP=q.is_cuda,
             # float32 stays float32 on tensor cores (no tf32), so the engine stays exact.
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=config.num_warps, num_stages=config.num_stages,
         )  # fmt: skip
 
-    if staged:
+    if two_stage:
         launch(shared=True, beam=False, out_partial=True)
         launch(shared=False, beam=True, out_partial=False)
     else:
         launch(shared=True, beam=True, out_partial=False)
     return out
-
-
-def default_scale(head_dim: int) -> float:
-    """The usual softmax scale, head_dim ** -0.5."""
-    return 1.0 / math.sqrt(head_dim)

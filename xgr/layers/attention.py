@@ -100,35 +100,29 @@ class Attention(nn.Module):
             slot = meta.beam.length
             meta.beam.k[layer, :, slot] = k
             meta.beam.v[layer, :, slot] = v
-            out = (
-                self._decode(q, meta)
-                if meta.backend == "triton"
-                else decode_attention_reference(
-                    q,
-                    meta.shared.k[layer],
-                    meta.shared.v[layer],
-                    meta.cu_seqlens,
-                    meta.beam.k[layer, :, : slot + 1],
-                    meta.beam.v[layer, :, : slot + 1],
-                    meta.beam_width,
-                    self.scale,
-                )
-            )
+            out = self._decode(q, meta, slot + 1)  # the current token attends to itself too
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
-    def _decode(self, q: torch.Tensor, meta: DecodeMetadata) -> torch.Tensor:
-        from xgr.kernels.triton_decode_attention import beam_decode_attention
-
+    def _decode(self, q: torch.Tensor, meta: DecodeMetadata, num_tokens: int) -> torch.Tensor:
+        """Attention of the beams' queries over the prompt KV and their first num_tokens."""
         layer = self.layer_index
-        return beam_decode_attention(
-            q,
-            meta.shared.k[layer],
-            meta.shared.v[layer],
-            meta.shared.cu_seqlens,
-            meta.beam.k[layer],
-            meta.beam.v[layer],
-            meta.beam.rows,
-            meta.beam.length + 1,
-            meta.beam_width,
-            self.scale,
+        shared_k, shared_v = meta.shared.k[layer], meta.shared.v[layer]
+        if meta.backend == "triton":
+            from xgr.kernels.triton_decode_attention import beam_decode_attention
+
+            return beam_decode_attention(
+                q,
+                shared_k,
+                shared_v,
+                meta.shared.cu_seqlens,
+                meta.beam.k[layer],
+                meta.beam.v[layer],
+                meta.beam.rows,
+                num_tokens,
+                meta.beam_width,
+                self.scale,
+            )
+        own_k, own_v = meta.beam.gather(layer, num_tokens)
+        return decode_attention_reference(
+            q, shared_k, shared_v, meta.cu_seqlens, own_k, own_v, meta.beam_width, self.scale
         )

@@ -155,8 +155,13 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         arrived = time.perf_counter()
         top_k = body.top_k or body.beam_width
         check_search(body.beam_width, body.num_results)
-        history = resolve_history(engine.catalog, body.history, engine.titles)
-        prompt = engine.tokenize(engine.history_prompt(history.item_ids, body.truncate_history))
+
+        def prepare():  # CPU work on long histories: off the event loop
+            history = resolve_history(engine.catalog, body.history, engine.title_index)
+            items = history.item_ids
+            return history, engine.tokenize(engine.history_prompt(items, body.truncate_history))
+
+        history, prompt = await asyncio.to_thread(prepare)
         deadline = arrived + body.deadline_ms / 1e3 if body.deadline_ms else None
         answer = await batcher.submit(
             QueuedRequest(
@@ -207,11 +212,13 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             raise XgrError(f"max_tokens must equal the number of semantic-ID levels ({levels})")
         beam_width = body.beam_width or body.best_of or max(body.n, config.default_beam_width)
         check_search(beam_width, body.n)
-        prompts = [engine.tokenize(p) for p in completion_prompts(body.prompt)]
+        prompts = await asyncio.to_thread(
+            lambda: [engine.tokenize(p) for p in completion_prompts(body.prompt)]
+        )
         # All prompts of one completion are queued together, so they share a batch.
         answers = await asyncio.gather(
             *(batcher.submit(QueuedRequest(p, beam_width, beam_width, body.n)) for p in prompts)
         )
-        return completion_response(engine, [a.result for a in answers], state["started"])
+        return completion_response(engine, [a.result for a in answers], body.n, state["started"])
 
     return app

@@ -7,7 +7,7 @@ import uuid
 from typing import Any
 
 from xgr.core import RecommendResult, XgrError
-from xgr.server.schemas import CompletionChoice, CompletionResponse, Usage
+from xgr.server.schemas import MAX_PROMPTS, CompletionChoice, CompletionResponse, Usage
 
 
 def completion_prompts(prompt: Any) -> list[str | list[int]]:
@@ -16,7 +16,7 @@ def completion_prompts(prompt: Any) -> list[str | list[int]]:
     OpenAI accepts a string, a list of token ids, or a list of either.
 
     Raises:
-        XgrError: an empty prompt or an empty list.
+        XgrError: an empty prompt, an empty list, or more than MAX_PROMPTS prompts.
     """
     if isinstance(prompt, str):
         prompts = [prompt]
@@ -26,6 +26,8 @@ def completion_prompts(prompt: Any) -> list[str | list[int]]:
         prompts = list(prompt)
     if not prompts:
         raise XgrError("prompt: an empty list holds no prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise XgrError(f"prompt: {len(prompts)} prompts in one request, at most {MAX_PROMPTS}")
     for i, p in enumerate(prompts):
         if not p or (isinstance(p, str) and not p.strip()):
             raise XgrError(f"prompt {i} is empty")
@@ -33,18 +35,19 @@ def completion_prompts(prompt: Any) -> list[str | list[int]]:
 
 
 def completion_response(
-    engine: Any, results: list[RecommendResult], created: int
+    engine: Any, results: list[RecommendResult], n: int, created: int
 ) -> CompletionResponse:
-    """Choices for each prompt's results: ``index`` = prompt index * n + rank (OpenAI's order)."""
+    """Choices for each prompt's results: ``index`` = prompt index * n + rank (OpenAI's
+    numbering; a prompt with fewer than n valid semantic IDs leaves its last indexes unused)."""
     catalog = engine.catalog
     choices, prompt_tokens, generated = [], 0, 0
-    for result in results:
+    for prompt_index, result in enumerate(results):
         prompt_tokens += result.prompt_tokens
-        for codes, score in result.semantic_ids:
+        for rank, (codes, score) in enumerate(result.semantic_ids):
             sid = catalog.find_semantic_id(codes)
             choices.append(
                 CompletionChoice(
-                    index=len(choices),
+                    index=prompt_index * n + rank,
                     text=catalog.format_semantic_id(codes),
                     item_ids=catalog.items_of_semantic_id(sid),
                     score=score,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 # Hard limits of the schema; a server may be configured tighter (ServerConfig).
 MAX_HISTORY_ITEMS = 10_000
@@ -16,9 +16,10 @@ MAX_PROMPT_TOKENS = 1_000_000
 class RecommendRequest(BaseModel):
     """Body of ``POST /v1/recommend``."""
 
-    model_config = ConfigDict(extra="forbid")
+    # Strict: no silent coercion ("beam_width": true is not 1, [true] is not item "1").
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    history: list[str | int] = Field(
+    history: list[StrictStr | StrictInt] = Field(
         min_length=1,
         max_length=MAX_HISTORY_ITEMS,
         description="The user's items, oldest first: item ids (strings or integers), or "
@@ -70,7 +71,8 @@ Prompt = str | list[int] | list[str] | list[list[int]]
 class CompletionRequest(BaseModel):
     """Body of ``POST /v1/completions`` (the OpenAI shape; decoding is always beam search)."""
 
-    model_config = ConfigDict(extra="forbid")
+    # Strict: no silent coercion ("beam_width": true is not 1, [true] is not item "1").
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     prompt: Prompt = Field(
         description="Text with semantic-ID tokens, token ids, or a list of either."
