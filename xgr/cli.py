@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -13,15 +15,62 @@ from xgr.catalog.catalog import DEFAULT_LEVEL_NAMES
 from xgr.core import XgrError
 
 DEFAULT_CACHE = Path("~/.cache/xgr/demo")
-ITEMS_FILE = "items.json"
 
 
 def _fail(exc: XgrError) -> None:
     raise click.ClickException(str(exc)) from exc
 
 
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a command's model comes from: the options every model-loading command takes."""
+
+    demo: bool
+    model_dir: Path | None
+    catalog_path: Path | None
+    dtype: str
+    device: str
+    cache_dir: Path
+
+    @property
+    def given(self) -> bool:
+        return self.demo or self.model_dir is not None
+
+    def folder(self) -> Path:
+        """The model folder (building the demo on first use)."""
+        if self.demo == (self.model_dir is not None):
+            raise click.UsageError("give exactly one of --demo and --model")
+        if self.model_dir is not None:
+            return self.model_dir
+        from xgr.demo import build_demo
+
+        try:
+            return build_demo(self.cache_dir.expanduser())
+        except XgrError as exc:
+            _fail(exc)
+
+    def load(self):
+        """The ``xgr.Engine`` of this source; a clear error instead of a traceback."""
+        from xgr import Engine, ItemCatalog
+
+        folder = self.folder()
+        try:
+            catalog = ItemCatalog.from_index_json(self.catalog_path) if self.catalog_path else None
+            return Engine.from_pretrained(
+                folder, catalog=catalog, device=self.device, dtype=self.dtype
+            )
+        except XgrError as exc:
+            _fail(exc)
+
+
 def _engine_options(func):
-    """Options shared by every command that loads a model."""
+    """Add the model-source options; the command receives them as ``source: ModelSource``."""
+
+    @functools.wraps(func)
+    def command(demo, model_dir, catalog_path, dtype, device, cache_dir, **kwargs):
+        source = ModelSource(demo, model_dir, catalog_path, dtype, device, cache_dir)
+        return func(source=source, **kwargs)
+
     options = [
         click.option(
             "--demo",
@@ -58,31 +107,8 @@ def _engine_options(func):
         ),
     ]
     for option in reversed(options):
-        func = option(func)
-    return func
-
-
-def _model_dir(demo: bool, model_dir: Path | None, cache_dir: Path) -> Path:
-    if demo == (model_dir is not None):
-        raise click.UsageError("give exactly one of --demo and --model")
-    if model_dir is not None:
-        return model_dir
-    from xgr.demo import build_demo
-
-    try:
-        return build_demo(cache_dir.expanduser())
-    except XgrError as exc:
-        _fail(exc)
-
-
-def _load_engine(model_dir: Path, catalog_path: Path | None, device: str, dtype: str):
-    from xgr import Engine, ItemCatalog
-
-    try:
-        catalog = ItemCatalog.from_index_json(catalog_path) if catalog_path else None
-        return Engine.from_pretrained(model_dir, catalog=catalog, device=device, dtype=dtype)
-    except XgrError as exc:
-        _fail(exc)
+        command = option(command)
+    return command
 
 
 @click.group()
@@ -111,12 +137,7 @@ def main(verbose: bool) -> None:
 @click.option("--server", default=None, help="Ask a running `xgr serve` at this URL instead.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def recommend(
-    demo,
-    model_dir,
-    catalog_path,
-    dtype,
-    device,
-    cache_dir,
+    source,
     history,
     beam_width,
     top_k,
@@ -132,7 +153,7 @@ def recommend(
     }
     started = time.perf_counter()
     if server is not None:
-        if demo or model_dir is not None:
+        if source.given:
             raise click.UsageError("--server asks a running server: drop --demo / --model")
         from xgr.client import Client
 
@@ -145,8 +166,7 @@ def recommend(
     else:
         from xgr.catalog import resolve_history
 
-        model_dir = _model_dir(demo, model_dir, cache_dir)
-        engine = _load_engine(model_dir, catalog_path, device, dtype)
+        engine = source.load()
         try:
             resolved = resolve_history(engine.catalog, list(history), engine.title_index)
             started = time.perf_counter()
@@ -192,20 +212,17 @@ def recommend(
     type=click.Path(dir_okay=False, path_type=Path),
     help="Also write the figures as JSON here.",
 )
-def evaluate(
-    demo, model_dir, catalog_path, dtype, device, cache_dir, k, beam_width, max_users, output
-) -> None:
+def evaluate(source, k, beam_width, max_users, output) -> None:
     """Leave-one-out Recall@K / NDCG@K of the demo model next to a most-popular baseline."""
     from xgr.demo import evaluate_demo, load_movielens
 
-    if not demo:
+    if not source.demo:
         raise click.UsageError("eval runs on the demo's data: pass --demo")
-    model_dir = _model_dir(demo, model_dir, cache_dir)
-    engine = _load_engine(model_dir, catalog_path, device, dtype)
+    engine = source.load()
     try:
         report = evaluate_demo(
             engine,
-            load_movielens(cache_dir.expanduser()),
+            load_movielens(source.cache_dir.expanduser()),
             k=k,
             beam_width=beam_width,
             max_users=max_users,
@@ -235,12 +252,7 @@ def evaluate(
 @click.option("--max-batch-size", default=32, show_default=True, help="Requests per engine call.")
 @click.option("--max-body-bytes", default=1 << 20, show_default=True)
 def serve(
-    demo,
-    model_dir,
-    catalog_path,
-    dtype,
-    device,
-    cache_dir,
+    source,
     host,
     port,
     max_beam_width,
@@ -258,8 +270,7 @@ def serve(
         config = ServerConfig(max_beam_width, default_beam_width, max_batch_size, max_body_bytes)
     except XgrError as exc:
         _fail(exc)
-    model_dir = _model_dir(demo, model_dir, cache_dir)
-    engine = _load_engine(model_dir, catalog_path, device, dtype)
+    engine = source.load()
     uvicorn.run(create_app(engine, config), host=host, port=port)
 
 

@@ -214,17 +214,18 @@ class LaunchConfig:
         block_n: prompt tokens per loop step; None: 128 for head_dim <= 64, else 64.
         num_warps, num_stages: Triton's warps per program and software-pipeline depth.
         num_splits: programs sharing one request's prompt (split-KV, merged exactly by
-            log-sum-exp); None: as many as fit in one wave beside the other programs.
+            log-sum-exp in a second launch); None: as many as fill the SMs.
 
-    The defaults are the fastest of a sweep on an H200 (benchmarks/attention.py --sweep, at
-    L=3000, B=512, one request, both benchmark shapes).
+    The defaults come from H200 runs of benchmarks/attention.py: tiles and stages from its
+    sweep at L=3000, B=512, one request; one split, since a second launch and its buffers
+    cost more than the extra parallelism gained in most of the benchmark's configurations.
     """
 
     block_m: int = 64
     block_n: int | None = None
     num_warps: int = 4
     num_stages: int = 3
-    num_splits: int | None = None
+    num_splits: int | None = 1
 
 
 DEFAULT_LAUNCH = LaunchConfig()
@@ -288,9 +289,13 @@ def beam_decode_attention(
     )
     out = torch.empty_like(q)
     two_stage = staged or splits > 1
-    part_shape = (splits, rows, num_heads, head_dim) if two_stage else (1, 1, 1, 1)
-    partial = torch.empty(part_shape, dtype=torch.float32, device=q.device)
-    lse = torch.empty(part_shape[:3], dtype=torch.float32, device=q.device)
+    if two_stage:
+        partial = torch.empty(
+            splits, rows, num_heads, head_dim, dtype=torch.float32, device=q.device
+        )
+        lse = torch.empty(splits, rows, num_heads, dtype=torch.float32, device=q.device)
+    else:  # unused by a fused launch: no allocation on the hot path
+        partial = lse = out
 
     def launch(shared: bool, beam: bool, out_partial: bool) -> None:
         programs = num_requests * splits if shared else num_requests

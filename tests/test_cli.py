@@ -1,0 +1,75 @@
+"""The ``xgr`` command line on a small model folder (click's CliRunner)."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from xgr.cli import main
+
+
+def run(*args):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def test_recommend_prints_titles_and_semantic_ids(served_model_dir):
+    result = run(
+        "recommend",
+        "--model",
+        str(served_model_dir),
+        "--history",
+        "item3",
+        "--history",
+        "Title of item7",
+        "--beam-width",
+        "16",
+        "--num-results",
+        "3",
+    )
+    assert result.exit_code == 0, result.output
+    first = result.output.splitlines()[0]
+    assert first.lstrip().startswith("1. Title of item") and "<a_" in first
+    assert "beam width 16" in result.output
+
+
+def test_recommend_json_excludes_history(served_model_dir):
+    result = run(
+        "recommend",
+        "--model",
+        str(served_model_dir),
+        "--history",
+        "item3",
+        "--beam-width",
+        "16",
+        "--num-results",
+        "5",
+        "--json",
+    )
+    assert result.exit_code == 0, result.output
+    items = json.loads(result.output)["items"]
+    assert len(items) >= 5 and "item3" not in {i["item_id"] for i in items}
+    assert all(i["title"] == f"Title of {i['item_id']}" for i in items)
+
+
+def test_errors_are_messages_not_tracebacks(served_model_dir, tmp_path):
+    model = str(served_model_dir)
+    cases = [
+        (("recommend", "--model", model, "--history", "nope"), "unknown items in history: 'nope'"),
+        (("recommend", "--history", "x"), "give exactly one of --demo and --model"),
+        (
+            ("recommend", "--model", model, "--server", "http://127.0.0.1:1", "--history", "x"),
+            "--server asks a running server",
+        ),
+        (("recommend", "--server", "127.0.0.1:1", "--history", "x"), "http://"),
+        (("recommend", "--model", str(tmp_path / "none"), "--history", "x"), "does not exist"),
+        (("recommend", "--model", model, "--device", "foo", "--history", "x"), "unknown device"),
+        (("recommend", "--model", model, "--top-k", "0", "--history", "item3"), "top_k"),
+        (("serve", "--model", model, "--port", "99999"), "99999"),
+        (("eval", "--model", model), "pass --demo"),
+    ]
+    for args, message in cases:
+        result = run(*args)
+        assert result.exit_code != 0, args
+        assert message in result.output, (args, result.output)
+        assert "Traceback" not in result.output
