@@ -13,7 +13,6 @@ from xgr.demo.build import (
     ITEMS_FILE,
     build_demo,
     load_demo_catalog,
-    load_demo_titles,
     read_demo_metadata,
 )
 from xgr.demo.config import DemoConfig
@@ -31,7 +30,6 @@ __all__ = [
     "evaluate_demo",
     "leave_one_out",
     "load_demo_catalog",
-    "load_demo_titles",
     "load_movielens",
     "popularity_ranking",
     "read_demo_metadata",

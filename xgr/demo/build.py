@@ -25,10 +25,11 @@ from xgr.core import XgrError
 from xgr.demo.config import DemoConfig
 from xgr.demo.movielens import MovieLensData, leave_one_out, load_movielens
 from xgr.demo.vocab import BOS, sid_token_ids
+from xgr.engine.engine import DEFAULT_CATALOG_FILE, TITLES_FILE
 from xgr.engine.prompt import PROMPT_FORMAT_FILE
 
-CATALOG_INDEX_FILE = "catalog.index.json"
-ITEMS_FILE = "items.json"
+CATALOG_INDEX_FILE = DEFAULT_CATALOG_FILE
+ITEMS_FILE = TITLES_FILE
 DEMO_METADATA_FILE = "xgr_demo.json"
 
 
@@ -154,8 +155,3 @@ def load_demo_catalog(model_dir: str | Path) -> ItemCatalog:
     return ItemCatalog.from_index_json(
         Path(model_dir) / CATALOG_INDEX_FILE, codebook_size=meta["config"]["codebook_size"]
     )
-
-
-def load_demo_titles(model_dir: str | Path) -> dict[str, str]:
-    """item id -> title, as saved in a demo model folder."""
-    return json.loads((Path(model_dir) / ITEMS_FILE).read_text())

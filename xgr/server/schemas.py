@@ -10,7 +10,6 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 MAX_HISTORY_ITEMS = 10_000
 MAX_BEAM_WIDTH = 4096
 MAX_PROMPTS = 256
-MAX_PROMPT_TOKENS = 1_000_000
 
 
 class RecommendRequest(BaseModel):
