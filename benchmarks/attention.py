@@ -7,7 +7,8 @@ fused launch), with split-KV (a second launch merges), staged in two launches, a
 PyTorch SDPA over per-beam expanded KV (what per-beam engines store and read). It also times
 the two ways of keeping the beams' own KV after selection (copying the written slots by
 parent vs reading through the ancestry index) and measures the GPU's copy bandwidth and
-bf16 matrix rate in the same run. ``--sweep`` times tile/split choices on two shapes.
+bf16 matrix rate in the same run. ``--sweep`` times tile/split choices on two shapes;
+``--prefill`` times the packed causal prefill attention (PyTorch SDPA per prompt).
 
     python benchmarks/attention.py --output benchmarks/results/attention.json
 """
@@ -27,6 +28,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from xgr.kernels.decode_attention import decode_attention_reference  # noqa: E402
+from xgr.kernels.prefill_attention import prefill_attention_reference  # noqa: E402
 from xgr.kernels.triton_decode_attention import (  # noqa: E402
     DEFAULT_LAUNCH,
     LaunchConfig,
@@ -210,10 +212,46 @@ def sweep() -> list[dict]:
     return rows
 
 
+def prefill(ceilings) -> list[dict]:
+    """Packed causal prefill attention per layer (PyTorch SDPA per prompt), vs its FLOP floor."""
+    rows = []
+    for shape, length, requests in itertools.product(SHAPES, PROMPT_LENGTHS, REQUESTS):
+        num_heads, num_kv_heads, head_dim = SHAPES[shape]
+        total = length * requests
+        q = torch.randn(total, num_heads, head_dim, device="cuda", dtype=DTYPE)
+        k = torch.randn(total, num_kv_heads, head_dim, device="cuda", dtype=DTYPE)
+        v = torch.randn_like(k)
+        cu = [i * length for i in range(requests + 1)]
+        ms = bench(
+            lambda q=q, k=k, v=v, cu=cu, d=head_dim: prefill_attention_reference(
+                q, k, v, cu, d**-0.5
+            )
+        )
+        flops = requests * 2 * length * length * num_heads * head_dim  # causal: half of 4LLHD
+        floor_ms = 1e3 * flops / ceilings["bf16_matmul_flop_per_s"]
+        rows.append(
+            {
+                "shape": shape,
+                "prompt_len": length,
+                "requests": requests,
+                "ms": ms,
+                "flops": flops,
+                "roofline_fraction": floor_ms / ms,
+            }
+        )
+        print(
+            f"prefill {shape:<13}{length:>6}{requests:>3}{ms * 1e3:10.1f} us"
+            f"{rows[-1]['roofline_fraction']:8.2f}",
+            flush=True,
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", type=Path, required=True, help="JSON file to write")
     parser.add_argument("--sweep", action="store_true", help="tune launch parameters only")
+    parser.add_argument("--prefill", action="store_true", help="time prefill attention only")
     args = parser.parse_args()
     report = {
         "benchmark": "decode attention per layer per step (last step of 3, 2 beam tokens)",
@@ -228,6 +266,10 @@ def main() -> None:
         args.output.write_text(json.dumps(report, indent=2) + "\n")
         return
     ceilings = measure_ceilings()
+    if args.prefill:
+        report.update(ceilings=ceilings, prefill=prefill(ceilings))
+        args.output.write_text(json.dumps(report, indent=2) + "\n")
+        return
     header = (
         f"{'shape':<13}{'L':>6}{'B':>5}{'R':>3}{'xgr us':>9}{'splits':>9}{'staged':>9}"
         f"{'sdpa us':>10}{'x sdpa':>8}{'roofline':>9}{'bound':>8}{'reorder':>9}"
