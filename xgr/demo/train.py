@@ -23,7 +23,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from xgr.catalog import ItemCatalog
 from xgr.demo.config import DemoConfig
-from xgr.demo.vocab import BOS_ID, EOS_ID, PAD_ID, item_token_ids, vocabulary
+from xgr.demo.vocab import BOS_ID, EOS_ID, PAD_ID, sid_token_ids, vocabulary
+from xgr.engine.prompt import PromptFormat
 
 IGNORE_INDEX = -100
 
@@ -71,10 +72,11 @@ def training_windows(
     stride = max(1, size // 2)
     levels = catalog.num_levels
     windows = []
+    code_tokens, items_only = sid_token_ids(catalog), PromptFormat()
     for seq in sequences:
         if not seq:
             continue
-        tokens = item_token_ids(catalog, list(seq))
+        tokens = np.asarray(items_only.build(list(seq), catalog, code_tokens))
         starts = list(range(len(seq) - size, 0, -stride))[::-1]
         starts = [0, *starts]
         covered = 0  # items before this index already carry their loss in an earlier window

@@ -14,14 +14,12 @@ generates the next item's ``num_levels`` code tokens.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
 from xgr.catalog import ItemCatalog
-from xgr.core import XgrError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -74,23 +72,3 @@ def build_tokenizer(catalog: ItemCatalog) -> PreTrainedTokenizerFast:
         padding_side="left",
         model_input_names=["input_ids", "attention_mask"],
     )
-
-
-def item_token_ids(catalog: ItemCatalog, item_ids: Sequence[str]) -> np.ndarray:
-    """Code-token ids of items, flattened in order.
-
-    Returns:
-        int64 array (len(item_ids) * num_levels,).
-
-    Raises:
-        XgrError: an item id is not in the catalog.
-    """
-    rows = []
-    for item in item_ids:
-        row = catalog.item_index.get(str(item))
-        if row is None:
-            raise XgrError(f"unknown item id {item!r}: not in the catalog")
-        rows.append(row)
-    offsets = np.arange(catalog.num_levels, dtype=np.int64) * catalog.codebook_size
-    codes = catalog.codes[np.asarray(rows, dtype=np.int64)].reshape(-1, catalog.num_levels)
-    return (FIRST_CODE_ID + offsets + codes).reshape(-1)

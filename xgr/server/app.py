@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from xgr.catalog import resolve_history
-from xgr.core import PromptTooLongError, XgrError
+from xgr.core import PromptTooLongError, SearchParams, XgrError
 from xgr.engine import Engine
 from xgr.scheduler import DeadlineExceededError, QueuedRequest, RequestBatcher, ServingMetrics
 from xgr.server.completions import completion_prompts, completion_response
@@ -107,13 +107,13 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             status_code=422, content={"error": "invalid request body", "detail": detail}
         )
 
-    def check_search(beam_width: int, num_results: int) -> None:
+    def check_search(beam_width: int, top_k: int, num_results: int) -> None:
+        """Refuse before queueing, so one bad request never fails a shared batch."""
         if beam_width > config.max_beam_width:
             raise XgrError(
                 f"beam_width {beam_width} exceeds this server's limit {config.max_beam_width}"
             )
-        if num_results > beam_width:
-            raise XgrError(f"num_results ({num_results}) must not exceed beam_width ({beam_width})")
+        SearchParams(beam_width, top_k, num_results)
 
     @app.get("/health", response_model=StatusResponse)
     async def health() -> StatusResponse:
@@ -154,7 +154,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     async def recommend(body: RecommendRequest) -> RecommendResponse:
         arrived = time.perf_counter()
         top_k = body.top_k or body.beam_width
-        check_search(body.beam_width, body.num_results)
+        check_search(body.beam_width, top_k, body.num_results)
 
         def prepare():  # CPU work on long histories: off the event loop
             history = resolve_history(engine.catalog, body.history, engine.title_index)
@@ -211,7 +211,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         if body.max_tokens is not None and body.max_tokens != levels:
             raise XgrError(f"max_tokens must equal the number of semantic-ID levels ({levels})")
         beam_width = body.beam_width or body.best_of or max(body.n, config.default_beam_width)
-        check_search(beam_width, body.n)
+        check_search(beam_width, beam_width, body.n)
         prompts = await asyncio.to_thread(
             lambda: [engine.tokenize(p) for p in completion_prompts(body.prompt)]
         )
