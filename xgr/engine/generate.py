@@ -81,7 +81,8 @@ def generate_semantic_ids(
 
     tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=device)
     positions = torch.cat([torch.arange(n, device=device) for n in seqlens])
-    hidden = model(tokens, positions, PrefillMetadata(shared, cu))
+    cu_device = torch.tensor(cu, dtype=torch.int32, device=device)
+    hidden = model(tokens, positions, PrefillMetadata(shared, cu, cu_device, max(seqlens)))
     last = torch.tensor(cu[1:], device=device) - 1
     log_probs = model.log_probs(hidden[last])  # [R, V]
 

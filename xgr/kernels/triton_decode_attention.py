@@ -42,20 +42,34 @@ def _attend_prompt_tile(
     scale_log2,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    MASK: tl.constexpr,
 ):
-    """One online-softmax update of all rows with prompt tokens kv .. kv + BLOCK_N."""
+    """One online-softmax update of all rows with prompt tokens kv .. kv + BLOCK_N.
+
+    MASK: the tile may run past ``end`` (only a split's last tile); full tiles skip the
+    bounds checks, which otherwise cost a select per score in the inner loop.
+    """
     offs = kv + tl.arange(0, BLOCK_N)
-    ok = offs < end
     kv_off = offs[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
-    k = tl.load(K + kv_off, mask=ok[:, None], other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-    s = tl.where(ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.exp2(s - m_new[:, None])
+    if MASK:
+        ok = offs < end
+        k = tl.load(K + kv_off, mask=ok[:, None], other=0.0)
+    else:
+        k = tl.load(K + kv_off)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if MASK:
+        s = tl.where(ok[None, :], s, float("-inf"))
+    # Scale after the row max so exp2's argument is one fused multiply-add per score.
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
+    p = tl.exp2(s * scale_log2 - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(V + kv_off, mask=ok[:, None], other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    if MASK:
+        v = tl.load(V + kv_off, mask=ok[:, None], other=0.0)
+    else:
+        v = tl.load(V + kv_off)
+    # The product accumulates into acc (no second accumulator and add per tile).
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return m_new, l_i, acc
 
 
@@ -111,20 +125,26 @@ def _beam_decode_attention_kernel(
         chunk = tl.cdiv(tl.cdiv(end - start, SPLITS), BLOCK_N) * BLOCK_N
         lo = start + split * chunk
         hi = tl.minimum(end, lo + chunk)
+        full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N  # end of the unmasked tiles
         if FOR_LOOP:  # compiled: a for loop is software-pipelined
-            for kv in range(lo, hi, BLOCK_N):
+            for kv in range(lo, full, BLOCK_N):
                 m_i, l_i, acc = _attend_prompt_tile(
                     q, K, V, kv, hi, kv_head, stride_kt, stride_kh, d, m_i, l_i, acc,
-                    scale_log2, BLOCK_N, PRECISION,
+                    scale_log2, BLOCK_N, PRECISION, False,
                 )  # fmt: skip
         else:  # Triton's interpreter cannot take loaded values as range() bounds
             kv = lo
-            while kv < hi:
+            while kv < full:
                 m_i, l_i, acc = _attend_prompt_tile(
                     q, K, V, kv, hi, kv_head, stride_kt, stride_kh, d, m_i, l_i, acc,
-                    scale_log2, BLOCK_N, PRECISION,
+                    scale_log2, BLOCK_N, PRECISION, False,
                 )  # fmt: skip
                 kv += BLOCK_N
+        if full < hi:
+            m_i, l_i, acc = _attend_prompt_tile(
+                q, K, V, full, hi, kv_head, stride_kt, stride_kh, d, m_i, l_i, acc,
+                scale_log2, BLOCK_N, PRECISION, True,
+            )  # fmt: skip
     else:
         # Merge the splits (split 0 always holds tokens: every prompt has at least one).
         acc = tl.load(PART + part_offs, mask=row_ok[:, None], other=0.0)
@@ -214,31 +234,43 @@ class LaunchConfig:
         block_n: prompt tokens per loop step; None: 128 for head_dim <= 64, else 64.
         num_warps, num_stages: Triton's warps per program and software-pipeline depth.
         num_splits: programs sharing one request's prompt (split-KV, merged exactly by
-            log-sum-exp in a second launch); None: as many as fill the SMs.
+            log-sum-exp in a second launch); None: ``choose_num_splits``.
 
-    The defaults come from H200 runs of benchmarks/attention.py: tiles and stages from its
-    sweep at L=3000, B=512, one request; one split, since a second launch and its buffers
-    cost more than the extra parallelism gained in most of the benchmark's configurations.
+    The defaults come from H200 runs of ``benchmarks/attention.py --sweep`` (CUDA-graph
+    timing): at L=3000, B=512, one request, 64 x 64 tiles with 4 warps and 3 stages in two
+    splits took 35.2 us (Qwen3-1.7B shape), against 39.6 us in one split and 36.6 us for
+    128-row tiles with 8 warps.
     """
 
     block_m: int = 64
     block_n: int | None = None
     num_warps: int = 4
     num_stages: int = 3
-    num_splits: int | None = 1
+    num_splits: int | None = None
 
 
 DEFAULT_LAUNCH = LaunchConfig()
 MAX_SPLITS = 16
+# Programs per SM the split count aims for: a 64-row tile runs one warpgroup, and a second
+# program on the SM overlaps its softmax with the first one's matrix products.
+PROGRAMS_PER_SM = 2
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 
 
 def choose_num_splits(programs: int, device: torch.device) -> int:
-    """Splits that fill the SMs only when the grid alone leaves most of them idle."""
+    """Split count that brings the grid to about ``PROGRAMS_PER_SM`` programs per SM.
+
+    Args:
+        programs: programs of one split (row blocks x KV heads x requests).
+        device: where the kernel runs; 1 off CUDA (the interpreter gains nothing).
+
+    Returns:
+        1 .. MAX_SPLITS; 1 when the grid already fills the GPU (one fused launch).
+    """
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(MAX_SPLITS, sms // programs))
+    return max(1, min(MAX_SPLITS, round(PROGRAMS_PER_SM * sms / programs)))
 
 
 def beam_decode_attention(

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from xgr.kernels.decode_attention import decode_attention_reference
-from xgr.kernels.prefill_attention import prefill_attention_reference
+from xgr.kernels.prefill_attention import prefill_attention
 from xgr.kv import BeamKV, SharedKV
 from xgr.layers.norm import RMSNorm
 from xgr.layers.rotary import apply_rope
@@ -21,10 +21,15 @@ class PrefillMetadata:
     Attributes:
         shared: where each layer writes the prompt KV (one row per prompt token).
         cu_seqlens: R + 1 host ints, token offsets of each prompt in the packed batch.
+        cu_seqlens_device: (R + 1,) int32 copy of cu_seqlens on the model's device, for the
+            packed flash-attention path (made per layer from cu_seqlens if None).
+        max_seqlen: the longest prompt (tokens); None: computed from cu_seqlens.
     """
 
     shared: SharedKV
     cu_seqlens: list[int]
+    cu_seqlens_device: torch.Tensor | None = None
+    max_seqlen: int | None = None
 
 
 @dataclass
@@ -95,7 +100,9 @@ class Attention(nn.Module):
         if isinstance(meta, PrefillMetadata):
             meta.shared.k[layer].copy_(k)
             meta.shared.v[layer].copy_(v)
-            out = prefill_attention_reference(q, k, v, meta.cu_seqlens, self.scale)
+            out = prefill_attention(
+                q, k, v, meta.cu_seqlens, self.scale, meta.cu_seqlens_device, meta.max_seqlen
+            )
         else:
             slot = meta.beam.length
             meta.beam.k[layer, :, slot] = k
