@@ -45,18 +45,24 @@ def constrained_beam_step(
     state: BeamState,
     log_probs: torch.Tensor,
     level: TrieLevel,
-    level_token_ids: torch.Tensor,
+    level_token_ids: torch.Tensor | None,
     beam_width: int,
     top_k: int,
 ) -> BeamState:
     """Extend every beam by one code and keep the best ``beam_width`` per request.
 
+    Runs on the tensors' device with no host synchronization (CUDA-graph safe): masking is
+    a gather from the trie level's tables, selection is ``torch.topk``.
+
     Args:
         state: beams before the step, (R, B_prev) each.
-        log_probs: (R, B_prev, vocab_size) float32 next-token log-probabilities of each beam.
+        log_probs: (R, B_prev, vocab_size) float32 next-token log-probabilities of each beam,
+            or (R, B_prev, codebook_size) log-probabilities of this level's codes when
+            ``level_token_ids`` is None.
         level: the trie level whose children are this step's valid codes.
         level_token_ids: (codebook_size,) int64 vocabulary id of each code of this level
-            (any id for codes no item uses: they are never valid candidates).
+            (any id for codes no item uses: they are never valid candidates); None when
+            log_probs is already indexed by code.
         beam_width: beams kept per request.
         top_k: candidates each beam contributes to its request's pool.
 
@@ -67,17 +73,29 @@ def constrained_beam_step(
     num_requests, prev_beams, vocab = log_probs.shape
     codes, children, valid = level.expand(state.nodes.reshape(-1))  # [R * B_prev, W]
     width = codes.shape[1]
-    token_ids = level_token_ids[codes].clamp(0, vocab - 1)
-    cand = log_probs.reshape(-1, vocab).gather(1, token_ids) + state.scores.reshape(-1, 1)
+    if level_token_ids is None:
+        index = codes.clamp(0, vocab - 1)
+    else:
+        index = level_token_ids[codes].clamp(0, vocab - 1)
+    cand = log_probs.reshape(-1, vocab).gather(1, index) + state.scores.reshape(-1, 1)
     # NaN (a numerically broken model) must not win a place: such candidates are dropped.
     cand = cand.masked_fill(~valid | torch.isnan(cand), NEG_INF)
-    k = min(top_k, width)
-    beam_best, beam_slot = cand.topk(k, dim=1)  # [R * B_prev, k]
-    pool = beam_best.view(num_requests, prev_beams * k)
+    if top_k >= width:
+        # Every candidate of a beam may enter the pool: one top-k over the request's pool
+        # selects the same beams without first sorting each beam's candidates.
+        k, beam_slot = width, None
+        pool = cand.view(num_requests, prev_beams * width)
+    else:
+        k = top_k
+        beam_best, beam_slot = cand.topk(k, dim=1)  # [R * B_prev, k]
+        pool = beam_best.view(num_requests, prev_beams * k)
     keep = min(beam_width, prev_beams * k)
     scores, flat = pool.topk(keep, dim=1)  # [R, keep]
     parents = torch.div(flat, k, rounding_mode="floor")
-    slot = beam_slot.view(num_requests, prev_beams * k).gather(1, flat)
+    if beam_slot is None:
+        slot = flat - parents * k
+    else:
+        slot = beam_slot.view(num_requests, prev_beams * k).gather(1, flat)
     rows = parents + torch.arange(num_requests, device=parents.device)[:, None] * prev_beams
     new_codes = codes[rows, slot]
     new_nodes = children[rows, slot]

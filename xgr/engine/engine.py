@@ -21,7 +21,8 @@ from xgr.core import (
     SearchParams,
     XgrError,
 )
-from xgr.engine.generate import generate_semantic_ids
+from xgr.engine.cuda_graph import DecodeGraphs
+from xgr.engine.generate import DecodeSpec, generate_semantic_ids
 from xgr.engine.prompt import PromptFormat
 from xgr.models import CausalLM, load_causal_lm
 from xgr.models.sid_vocab import (
@@ -51,6 +52,11 @@ class Engine:
         name: model name reported by the server.
         prompt_format: how histories become prompts (default: the items' tokens alone).
         titles: item id -> title, copied into results (default: none).
+        full_vocab: score codes by their log-probability over the whole vocabulary (exact,
+            as HF ``generate``); False normalizes over each level's codes only, which skips
+            the full-vocabulary LM head (for models whose vocabulary is only the codes).
+        cuda_graphs: on CUDA, replay the decode levels from CUDA graphs (one per batch
+            shape, captured on first use); False decodes eagerly.
 
     Raises:
         XgrError: the code map does not match the catalog or the model's vocabulary.
@@ -65,6 +71,8 @@ class Engine:
         name: str = "xgr-model",
         prompt_format: PromptFormat | None = None,
         titles: dict[str, str] | None = None,
+        full_vocab: bool = True,
+        cuda_graphs: bool = True,
     ) -> None:
         self.model = model
         self.catalog = catalog
@@ -79,6 +87,10 @@ class Engine:
         self._sid_token_ids_host = table
         self.trie = catalog.trie.to(self.device)
         self.attention_backend = select_attention_backend(self.device, model.config.head_dim)
+        self.decode_spec = DecodeSpec.build(
+            model, self.trie, self.sid_token_ids, full_vocab, self.attention_backend
+        )
+        self.graphs = DecodeGraphs(model) if cuda_graphs and self.device.type == "cuda" else None
         if self.max_prompt_tokens < 1:
             raise XgrError(
                 f"max_position_embeddings {model.config.max_position_embeddings} leaves no room "
@@ -93,6 +105,7 @@ class Engine:
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype = "float32",
         sid_token_ids: Any = None,
+        **options: Any,
     ) -> Engine:
         """Load a model folder and serve ``catalog`` with it.
 
@@ -103,6 +116,7 @@ class Engine:
             dtype: "float32", "bfloat16" or "float16".
             sid_token_ids: (num_levels, codebook_size) code -> token id map; default found
                 from the folder's tokenizer tokens named like the catalog's codes (``<a_12>``).
+            options: ``full_vocab`` and ``cuda_graphs``, passed to ``Engine``.
 
         Raises:
             XgrError: unreadable folder or weights, no catalog, a catalog whose fingerprint
@@ -113,7 +127,7 @@ class Engine:
             raise XgrError(f"model folder {model_dir} does not exist")
         device = resolve_device(device)
         try:
-            return cls._load(model_dir, catalog, device, dtype, sid_token_ids)
+            return cls._load(model_dir, catalog, device, dtype, sid_token_ids, options)
         except XgrError:
             raise
         except (
@@ -130,7 +144,7 @@ class Engine:
             ) from exc
 
     @classmethod
-    def _load(cls, model_dir, catalog, device, dtype, sid_token_ids) -> Engine:
+    def _load(cls, model_dir, catalog, device, dtype, sid_token_ids, options) -> Engine:
         if catalog is None:
             path = model_dir / DEFAULT_CATALOG_FILE
             if not path.exists():
@@ -149,6 +163,7 @@ class Engine:
             model_dir.name,
             prompt_format,
             _load_titles(model_dir),
+            **options,
         )
 
     @property
@@ -178,11 +193,14 @@ class Engine:
             tokens = list(self.tokenizer.encode(prompt, add_special_tokens=False).ids)
         else:
             raw = prompt.tolist() if hasattr(prompt, "tolist") else prompt
-            if not isinstance(raw, list | tuple) or not all(
-                isinstance(t, int | np.integer) and not isinstance(t, bool) for t in raw
-            ):
+            if not isinstance(raw, list | tuple):
                 raise XgrError("a prompt is a string or a list of integer token ids")
-            tokens = [int(t) for t in raw]
+            if all(type(t) is int for t in raw):  # the common case, checked cheaply
+                tokens = list(raw)
+            elif all(isinstance(t, int | np.integer) and not isinstance(t, bool) for t in raw):
+                tokens = [int(t) for t in raw]
+            else:
+                raise XgrError("a prompt is a string or a list of integer token ids")
         if not tokens:
             raise XgrError("empty prompt: at least one token is needed")
         if len(tokens) > self.max_prompt_tokens:
@@ -237,13 +255,7 @@ class Engine:
         if not tokenized:
             return []
         out = generate_semantic_ids(
-            self.model,
-            self.trie,
-            self.sid_token_ids,
-            tokenized,
-            search.beam_width,
-            search.top_k,
-            self.attention_backend,
+            self.decode_spec, tokenized, search.beam_width, search.top_k, self.graphs
         )
         sid_index, scores = out.sid_index.numpy(), out.scores.numpy()
         # Every live beam has a valid continuation, so no finite score means NaN or -inf

@@ -1,14 +1,20 @@
-"""The fixed-step generation of semantic IDs for a batch of prompts (the reference path).
+"""The fixed-step generation of semantic IDs for a batch of prompts.
 
 Steps, for R prompts, beam width B and L levels:
 
 1. prefill: the packed prompts run once; each layer writes the shared KV; the last
-   token of each prompt gives the first level's log-probabilities;
+   token of each prompt gives the first level's code log-probabilities;
 2. level 0: constrained beam step from the trie root (one beam per request -> B beams);
 3. levels 1..L-1: one decode forward for all R * B beams (each beam's last code as input,
-   attention over the shared KV and its own KV), a constrained beam step, and an in-place
-   reorder of the beams' unshared KV by their parents;
+   attention over the shared KV and its own KV), a constrained beam step, and the beams'
+   ancestry index updated by their parents;
 4. the surviving beams' trie nodes at depth L are the semantic IDs.
+
+Everything from the start of prefill to the end of the last level runs on the device with
+no host synchronization: the batch's host-built inputs go to the device in one copy before
+any compute, scores are computed only for each level's codes (``xgr.beam.logits``), and the
+only device-to-host transfer is the final (R, B) result. On CUDA, steps 2-4 replay a CUDA
+graph per batch shape (``xgr.engine.cuda_graph``).
 """
 
 from __future__ import annotations
@@ -16,9 +22,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from xgr.beam import BeamState, constrained_beam_step
+from xgr.beam.logits import code_log_probs, level_head_weights
 from xgr.catalog.trie import PrefixTrie
 from xgr.kv import BeamKV, SharedKV
 from xgr.layers.attention import DecodeMetadata, PrefillMetadata
@@ -32,65 +40,175 @@ class GenerationOutput:
     Attributes:
         sid_index: (R, B) int64 row of ``ItemCatalog.semantic_ids`` per beam, best first.
         scores: (R, B) float32 summed log-probabilities; -inf where no valid path was left.
-        prefill_ms: wall time of prefill and the first selection (ms).
-        decode_ms: wall time of the remaining decode steps (ms).
+        prefill_ms: time of prefill (ms; device time on CUDA, from events).
+        decode_ms: time of the selections and decode steps (ms; device time on CUDA).
+        graph: whether the decode levels replayed a CUDA graph.
     """
 
     sid_index: torch.Tensor
     scores: torch.Tensor
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
+    graph: bool = False
 
 
-@torch.inference_mode()
-def generate_semantic_ids(
-    model: CausalLM,
-    trie: PrefixTrie,
-    sid_token_ids: torch.Tensor,
-    prompts: list[list[int]],
-    beam_width: int,
-    top_k: int,
-    attention_backend: str = "torch",
-) -> GenerationOutput:
-    """Constrained beam search over semantic IDs for a batch of tokenized prompts.
+@dataclass
+class BatchInputs:
+    """A batch's inputs on the device, made from one host-to-device copy.
 
-    Args:
-        model: the decoder-only LM.
-        trie: the catalog's valid-path trie, on the model's device.
-        sid_token_ids: (num_levels, codebook_size) int64 vocabulary id of each code, on device.
-        prompts: R non-empty lists of token ids (validated by the caller).
-        beam_width: beams kept per request.
-        top_k: candidates per beam per step.
-        attention_backend: "torch" (reference) or "triton" (GPU kernel) decode attention.
+    Attributes:
+        tokens: (T,) int64 packed prompt tokens.
+        positions: (T,) int64 position of each token in its prompt.
+        last_index: (R,) int64 packed index of each prompt's last token.
+        prompt_lens: (R,) int64 prompt lengths (tokens).
+        cu_seqlens: (R + 1,) int64 prompt offsets.
+        cu_seqlens_int32: (R + 1,) int32 prompt offsets (packed flash attention).
+        cu_seqlens_host: the same offsets as host ints.
+        max_seqlen: the longest prompt (tokens).
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    last_index: torch.Tensor
+    prompt_lens: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_seqlens_int32: torch.Tensor
+    cu_seqlens_host: list[int]
+    max_seqlen: int
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.cu_seqlens_host) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.cu_seqlens_host[-1]
+
+    @property
+    def seqlens(self) -> list[int]:
+        cu = self.cu_seqlens_host
+        return [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
+
+
+def prepare_inputs(prompts: list[list[int]], device: torch.device) -> BatchInputs:
+    """Pack R non-empty token lists and copy them to ``device`` in one (async) transfer.
 
     Returns:
-        The best ``beam_width`` semantic IDs of each prompt with their scores, on the host.
+        The batch's inputs; on CUDA the copy is from pinned memory and does not block.
     """
-    start = time.perf_counter()
-    cfg = model.config
-    device = sid_token_ids.device
-    dtype = model.lm_head.weight.dtype
-    num_requests, num_levels = len(prompts), sid_token_ids.shape[0]
-    seqlens = [len(p) for p in prompts]
-    shared = SharedKV.allocate(
-        cfg.num_layers, seqlens, cfg.num_kv_heads, cfg.head_dim, dtype, device
+    lens = np.array([len(p) for p in prompts], dtype=np.int64)
+    cu = np.zeros(len(prompts) + 1, dtype=np.int64)
+    np.cumsum(lens, out=cu[1:])
+    total, num = int(cu[-1]), len(prompts)
+    host = np.empty(2 * total + 2 * num + num + 1, dtype=np.int64)
+    host[:total] = np.concatenate([np.asarray(p, dtype=np.int64) for p in prompts])
+    host[total : 2 * total] = np.arange(total) - np.repeat(cu[:-1], lens)
+    host[2 * total : 2 * total + num] = cu[1:] - 1
+    host[2 * total + num : 2 * total + 2 * num] = lens
+    host[2 * total + 2 * num :] = cu
+    packed = torch.from_numpy(host)
+    if device.type == "cuda":
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    else:
+        packed = packed.to(device)
+    tokens, positions, last, prompt_lens, cu_dev = torch.split(
+        packed, [total, total, num, num, num + 1]
     )
-    cu = [0]
-    for n in seqlens:
-        cu.append(cu[-1] + n)
+    return BatchInputs(
+        tokens,
+        positions,
+        last,
+        prompt_lens,
+        cu_dev,
+        cu_dev.to(torch.int32),
+        cu.tolist(),
+        int(lens.max()),
+    )
 
-    tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=device)
-    positions = torch.cat([torch.arange(n, device=device) for n in seqlens])
-    cu_device = torch.tensor(cu, dtype=torch.int32, device=device)
-    hidden = model(tokens, positions, PrefillMetadata(shared, cu, cu_device, max(seqlens)))
-    last = torch.tensor(cu[1:], device=device) - 1
-    log_probs = model.log_probs(hidden[last])  # [R, V]
 
+def prefill(model: CausalLM, inputs: BatchInputs, shared: SharedKV) -> torch.Tensor:
+    """Run the packed prompts once, writing every layer's prompt KV into ``shared``.
+
+    Returns:
+        (R, hidden_size) final hidden state of each prompt's last token, model dtype.
+    """
+    meta = PrefillMetadata(
+        shared, inputs.cu_seqlens_host, inputs.cu_seqlens_int32, inputs.max_seqlen
+    )
+    hidden = model(inputs.tokens, inputs.positions, meta)
+    return hidden[inputs.last_index]
+
+
+@dataclass
+class DecodeSpec:
+    """What the decode levels need besides the batch: model, catalog and scoring.
+
+    Attributes:
+        model: the decoder-only LM.
+        trie: the catalog's valid-path trie, on the model's device.
+        sid_token_ids: (num_levels, codebook_size) int64 vocabulary id of each code.
+        level_weights: (num_levels, codebook_size, hidden) LM-head rows of each level's codes.
+        full_vocab: normalize scores over the whole vocabulary (exact log-probabilities);
+            False normalizes over each level's codes (vocabularies of codes only).
+        attention_backend: "torch" (reference) or "triton" (GPU kernel) decode attention.
+    """
+
+    model: CausalLM
+    trie: PrefixTrie
+    sid_token_ids: torch.Tensor
+    level_weights: torch.Tensor
+    full_vocab: bool = True
+    attention_backend: str = "torch"
+
+    @classmethod
+    def build(
+        cls,
+        model: CausalLM,
+        trie: PrefixTrie,
+        sid_token_ids: torch.Tensor,
+        full_vocab: bool = True,
+        attention_backend: str = "torch",
+    ) -> DecodeSpec:
+        weights = level_head_weights(model.lm_head.weight.detach(), sid_token_ids)
+        return cls(model, trie, sid_token_ids, weights, full_vocab, attention_backend)
+
+    def log_probs(self, hidden: torch.Tensor, level: int) -> torch.Tensor:
+        """(N, hidden) -> (N, codebook_size) float32 log-probabilities of the level's codes."""
+        full = self.model.lm_head.weight if self.full_vocab else None
+        return code_log_probs(hidden, self.level_weights[level], full)
+
+
+def decode_levels(
+    spec: DecodeSpec,
+    last_hidden: torch.Tensor,
+    prompt_lens: torch.Tensor,
+    shared: SharedKV,
+    cu_seqlens_host: list[int],
+    beam_width: int,
+    top_k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every level's selection and decode forward for a prefilled batch (no host sync).
+
+    Args:
+        spec: model, trie and scoring.
+        last_hidden: (R, hidden) prefill output at each prompt's last token.
+        prompt_lens: (R,) int64 prompt lengths on the device.
+        shared: the batch's prompt KV (filled by prefill).
+        cu_seqlens_host: R + 1 prompt offsets (read by the torch reference attention only).
+        beam_width, top_k: search parameters.
+
+    Returns:
+        nodes: (R, beam_width) int64 semantic-ID row of each final beam, best first.
+        scores: (R, beam_width) float32 summed log-probabilities (-inf: no valid path).
+    """
+    cfg = spec.model.config
+    device = last_hidden.device
+    num_requests, num_levels = last_hidden.shape[0], len(spec.trie.levels)
     state = constrained_beam_step(
         BeamState.root(num_requests, device),
-        log_probs[:, None, :],
-        trie.levels[0],
-        sid_token_ids[0],
+        spec.log_probs(last_hidden, 0)[:, None, :],
+        spec.trie.levels[0],
+        None,
         beam_width,
         top_k,
     )
@@ -100,24 +218,93 @@ def generate_semantic_ids(
         max(num_levels - 1, 1),
         cfg.num_kv_heads,
         cfg.head_dim,
-        dtype,
+        last_hidden.dtype,
         device,
     )
-    prefilled = time.perf_counter()
-    prompt_lens = torch.tensor(seqlens, device=device)
     row_base = torch.arange(num_requests, device=device)[:, None] * beam_width
-    meta = DecodeMetadata(shared, beam, cu, beam_width, attention_backend)
+    meta = DecodeMetadata(shared, beam, cu_seqlens_host, beam_width, spec.attention_backend)
     for level in range(1, num_levels):
-        ids = sid_token_ids[level - 1][state.codes].clamp(0, cfg.vocab_size - 1)
+        ids = spec.sid_token_ids[level - 1][state.codes].clamp(0, cfg.vocab_size - 1)
         pos = (prompt_lens + level - 1)[:, None].expand(num_requests, beam_width)
-        hidden = model(ids.reshape(-1), pos.reshape(-1), meta)
+        hidden = spec.model(ids.reshape(-1), pos.reshape(-1), meta)
         beam.length += 1
-        log_probs = model.log_probs(hidden).view(num_requests, beam_width, -1)
+        log_probs = spec.log_probs(hidden, level).view(num_requests, beam_width, -1)
         state = constrained_beam_step(
-            state, log_probs, trie.levels[level], sid_token_ids[level], beam_width, top_k
+            state, log_probs, spec.trie.levels[level], None, beam_width, top_k
         )
         if level < num_levels - 1:
             beam.reorder((state.parents + row_base).reshape(-1))
-    nodes, scores = state.nodes.cpu(), state.scores.cpu()
+    return state.nodes, state.scores
+
+
+def allocate_shared_kv(model: CausalLM, inputs: BatchInputs) -> SharedKV:
+    """Prompt KV buffers sized exactly for one batch (the eager path)."""
+    cfg = model.config
+    shape = (cfg.num_layers, inputs.num_tokens, cfg.num_kv_heads, cfg.head_dim)
+    weight = model.lm_head.weight
+    k = torch.empty(shape, dtype=weight.dtype, device=weight.device)
+    return SharedKV(
+        k, torch.empty_like(k), inputs.cu_seqlens, list(np.diff(inputs.cu_seqlens_host))
+    )
+
+
+@torch.inference_mode()
+def generate_semantic_ids(
+    spec: DecodeSpec,
+    prompts: list[list[int]],
+    beam_width: int,
+    top_k: int,
+    graphs=None,
+) -> GenerationOutput:
+    """Constrained beam search over semantic IDs for a batch of tokenized prompts.
+
+    Args:
+        spec: model, trie and scoring (``DecodeSpec.build``).
+        prompts: R non-empty lists of token ids (validated by the caller).
+        beam_width: beams kept per request.
+        top_k: candidates per beam per step.
+        graphs: an ``xgr.engine.cuda_graph.DecodeGraphs`` to replay the decode levels from
+            CUDA graphs; None runs them eagerly.
+
+    Returns:
+        The best ``beam_width`` semantic IDs of each prompt with their scores, on the host.
+    """
+    device = spec.sid_token_ids.device
+    if graphs is not None and device.type == "cuda":
+        with graphs.lock:  # the pool and the graphs' outputs are reused by the next batch
+            return _generate(spec, prompts, beam_width, top_k, graphs)
+    return _generate(spec, prompts, beam_width, top_k, None)
+
+
+def _generate(spec, prompts, beam_width, top_k, graphs) -> GenerationOutput:
+    device = spec.sid_token_ids.device
+    cuda = device.type == "cuda"
+    if cuda:
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        events[0].record()
+    start = time.perf_counter()
+    inputs = prepare_inputs(prompts, device)
+    use_graph = graphs is not None and graphs.accepts(inputs.num_requests)
+    if use_graph:
+        shared = graphs.shared_kv(inputs)
+    else:
+        shared = allocate_shared_kv(spec.model, inputs)
+    last_hidden = prefill(spec.model, inputs, shared)
+    if cuda:
+        events[1].record()
+    prefilled = time.perf_counter()
+    if use_graph:
+        nodes, scores = graphs.replay(spec, last_hidden, inputs, beam_width, top_k)
+    else:
+        nodes, scores = decode_levels(
+            spec, last_hidden, inputs.prompt_lens, shared, inputs.cu_seqlens_host, beam_width, top_k
+        )
+    if cuda:
+        events[2].record()
+    nodes, scores = nodes.cpu(), scores.cpu()  # the one device-to-host copy
     done = time.perf_counter()
-    return GenerationOutput(nodes, scores, (prefilled - start) * 1e3, (done - prefilled) * 1e3)
+    if cuda:
+        prefill_ms, decode_ms = events[0].elapsed_time(events[1]), events[1].elapsed_time(events[2])
+    else:
+        prefill_ms, decode_ms = (prefilled - start) * 1e3, (done - prefilled) * 1e3
+    return GenerationOutput(nodes, scores, prefill_ms, decode_ms, use_graph)

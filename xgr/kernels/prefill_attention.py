@@ -13,17 +13,26 @@ Two implementations of one function:
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
 import torch.nn.functional as F
 
-try:
-    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
 
-    _VARLEN_PARAMS = set(inspect.signature(_varlen_attn).parameters)
-except ImportError:  # an older PyTorch: the reference path only
-    _varlen_attn, _VARLEN_PARAMS = None, set()
+@functools.cache
+def _varlen():
+    """PyTorch's packed flash attention and its keyword names, or (None, {}) if absent.
+
+    Imported on first use: the module imports Triton, which must not happen before a test
+    process selects Triton's CPU interpreter.
+    """
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # an older PyTorch: the reference path only
+        return None, set()
+    return varlen_attn, set(inspect.signature(varlen_attn).parameters)
+
 
 # The packed launch is used for batches of prompts at most this long (tokens).
 PACKED_MAX_SEQLEN = 1024
@@ -54,7 +63,9 @@ def prefill_attention_reference(
 
 def varlen_available(q: torch.Tensor) -> bool:
     """Whether PyTorch's packed flash attention can run on q (CUDA, fp16/bf16)."""
-    return _varlen_attn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    return _varlen()[0] is not None
 
 
 def prefer_packed(q: torch.Tensor, num_prompts: int, max_seqlen: int) -> bool:
@@ -98,13 +109,14 @@ def prefill_attention(
         return prefill_attention_reference(q, k, v, cu_seqlens, scale)
     if cu_seqlens_device is None:
         cu_seqlens_device = torch.tensor(cu_seqlens, dtype=torch.int32, device=q.device)
+    varlen_attn, params = _varlen()
     kwargs = {"scale": scale}
-    if "window_size" in _VARLEN_PARAMS:
+    if "window_size" in params:
         kwargs["window_size"] = (-1, 0)  # causal
     else:
         kwargs["is_causal"] = True
-    if "enable_gqa" in _VARLEN_PARAMS:
+    if "enable_gqa" in params:
         kwargs["enable_gqa"] = q.shape[1] != k.shape[1]
-    return _varlen_attn(
+    return varlen_attn(
         q, k, v, cu_seqlens_device, cu_seqlens_device, max_seqlen, max_seqlen, **kwargs
     )

@@ -98,8 +98,9 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         layer = self.layer_index
         if isinstance(meta, PrefillMetadata):
-            meta.shared.k[layer].copy_(k)
-            meta.shared.v[layer].copy_(v)
+            # The shared KV may be a larger reused buffer: the batch fills its first tokens.
+            meta.shared.k[layer, :tokens].copy_(k)
+            meta.shared.v[layer, :tokens].copy_(v)
             out = prefill_attention(
                 q, k, v, meta.cu_seqlens, self.scale, meta.cu_seqlens_device, meta.max_seqlen
             )

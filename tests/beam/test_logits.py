@@ -1,0 +1,69 @@
+"""Restricted LM-head scoring equals the full-vocabulary log-softmax at each level's codes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import xgr.beam.logits as logits_module
+from xgr.beam import BeamState, constrained_beam_step
+from xgr.beam.logits import code_log_probs, full_vocab_logsumexp, level_head_weights
+from xgr.catalog.trie import build_prefix_trie
+
+
+def random_head(vocab=300, hidden=32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(vocab, hidden, generator=gen)
+    hidden_states = torch.randn(7, hidden, generator=gen) * 3
+    return weight, hidden_states
+
+
+@pytest.mark.parametrize("chunk_elements", [1 << 26, 7 * 1024], ids=["one-chunk", "chunked"])
+def test_full_vocab_logsumexp_matches_torch(monkeypatch, chunk_elements):
+    monkeypatch.setattr(logits_module, "LSE_CHUNK_ELEMENTS", chunk_elements)
+    weight, h = random_head(vocab=5000)
+    expected = torch.logsumexp(h @ weight.T, dim=-1)
+    torch.testing.assert_close(full_vocab_logsumexp(h, weight), expected, rtol=1e-6, atol=1e-5)
+
+
+def test_code_log_probs_equal_log_softmax_at_the_codes():
+    weight, h = random_head()
+    sid_token_ids = torch.randint(0, 300, (3, 16), generator=torch.Generator().manual_seed(1))
+    levels = level_head_weights(weight, sid_token_ids)
+    assert levels.shape == (3, 16, 32)
+    full = torch.log_softmax(h @ weight.T, dim=-1)
+    for level in range(3):
+        got = code_log_probs(h, levels[level], weight)
+        assert got.dtype == torch.float32 and got.shape == (7, 16)
+        torch.testing.assert_close(got, full[:, sid_token_ids[level]], rtol=1e-6, atol=1e-5)
+
+
+def test_code_only_normalization_is_a_softmax_over_the_level():
+    weight, h = random_head()
+    sid_token_ids = torch.arange(48).view(3, 16) + 100
+    levels = level_head_weights(weight, sid_token_ids)
+    got = code_log_probs(h, levels[1], None)
+    torch.testing.assert_close(got.exp().sum(-1), torch.ones(7))
+    expected = torch.log_softmax(h @ weight[sid_token_ids[1]].T, dim=-1)
+    torch.testing.assert_close(got, expected)
+
+
+def test_out_of_vocab_ids_are_clamped_not_read_out_of_bounds():
+    weight, _ = random_head(vocab=10)
+    levels = level_head_weights(weight, torch.tensor([[0, 9, 25]]))
+    torch.testing.assert_close(levels[0, 2], weight[9])
+
+
+def test_beam_step_on_code_log_probs_equals_the_vocab_path():
+    gen = torch.Generator().manual_seed(3)
+    sids = torch.unique(torch.randint(0, 6, (40, 2), generator=gen), dim=0).numpy()
+    trie = build_prefix_trie(sids, 6)
+    token_ids = torch.tensor([9, 4, 7, 1, 8, 2])
+    vocab_lp = torch.log_softmax(torch.randn(2, 1, 12, generator=gen), dim=-1)
+    code_lp = vocab_lp[:, :, token_ids]
+    root = BeamState.root(2, torch.device("cpu"))
+    for top_k in (2, 6):
+        a = constrained_beam_step(root, vocab_lp, trie.levels[0], token_ids, 5, top_k)
+        b = constrained_beam_step(root, code_lp, trie.levels[0], None, 5, top_k)
+        for field in ("scores", "nodes", "codes", "parents"):
+            torch.testing.assert_close(getattr(a, field), getattr(b, field))

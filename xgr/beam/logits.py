@@ -1,0 +1,73 @@
+"""Next-code log-probabilities from final hidden states, computed only where beam search needs them.
+
+A decode step scores each beam's candidates, which are codes of one level: the LM head is
+applied to those codes' rows only (C of the V vocabulary rows), and the full-vocabulary
+normalizer log-sum-exp(h . W_v) is computed in vocabulary chunks, so the (N, V) float32
+log-softmax is never materialized. The result equals ``log_softmax(h @ W.T)`` at the level's
+codes, as HF ``generate`` scores them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Logit elements per vocabulary chunk of the log-sum-exp (rows x chunk): bounds its buffers
+# (float32 plus the model-dtype product) to about 384 MB.
+LSE_CHUNK_ELEMENTS = 1 << 26
+
+
+def level_head_weights(lm_head_weight: torch.Tensor, sid_token_ids: torch.Tensor) -> torch.Tensor:
+    """The LM-head rows of every level's codes.
+
+    Args:
+        lm_head_weight: (vocab_size, hidden_size) in the model dtype.
+        sid_token_ids: (num_levels, codebook_size) int64 vocabulary id of each code.
+
+    Returns:
+        (num_levels, codebook_size, hidden_size) copy in the model dtype.
+    """
+    ids = sid_token_ids.clamp(0, lm_head_weight.shape[0] - 1)
+    return lm_head_weight[ids].contiguous()
+
+
+def full_vocab_logsumexp(hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+    """log-sum-exp over the whole vocabulary of each row's logits, chunked over the vocabulary.
+
+    Args:
+        hidden: (N, hidden_size) final hidden states, model dtype.
+        lm_head_weight: (vocab_size, hidden_size), model dtype.
+
+    Returns:
+        (N,) float32. Logits are rounded to the model dtype before the float32 reduction, as
+        HF computes ``lm_head(h).float()``.
+    """
+    vocab = lm_head_weight.shape[0]
+    chunk = max(1024, LSE_CHUNK_ELEMENTS // max(hidden.shape[0], 1))
+    total = None
+    for start in range(0, vocab, chunk):
+        part = torch.logsumexp((hidden @ lm_head_weight[start : start + chunk].T).float(), dim=-1)
+        total = part if total is None else torch.logaddexp(total, part)
+    return total
+
+
+def code_log_probs(
+    hidden: torch.Tensor,
+    level_weight: torch.Tensor,
+    lm_head_weight: torch.Tensor | None,
+) -> torch.Tensor:
+    """Log-probabilities of one level's codes.
+
+    Args:
+        hidden: (N, hidden_size) final hidden states, model dtype.
+        level_weight: (codebook_size, hidden_size) LM-head rows of the level's codes.
+        lm_head_weight: (vocab_size, hidden_size) full LM head, to normalize over the whole
+            vocabulary (exact next-token log-probabilities); None to normalize over the
+            level's codes only (for models whose vocabulary is only semantic-ID codes).
+
+    Returns:
+        (N, codebook_size) float32.
+    """
+    logits = (hidden @ level_weight.T).float()
+    if lm_head_weight is None:
+        return torch.log_softmax(logits, dim=-1)
+    return logits - full_vocab_logsumexp(hidden, lm_head_weight)[:, None]
