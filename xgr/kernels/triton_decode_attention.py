@@ -16,6 +16,7 @@ Two launch modes, both tested against ``decode_attention_reference``:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -239,7 +240,7 @@ class LaunchConfig:
     The defaults come from H200 runs of ``benchmarks/attention.py --sweep`` (CUDA-graph
     timing): at L=3000, B=512, one request, 64 x 64 tiles with 4 warps and 3 stages in two
     splits took 35.2 us (Qwen3-1.7B shape), against 39.6 us in one split and 36.6 us for
-    128-row tiles with 8 warps.
+    128-row tiles with 8 warps; the split count follows ``choose_num_splits``.
     """
 
     block_m: int = 64
@@ -250,27 +251,35 @@ class LaunchConfig:
 
 
 DEFAULT_LAUNCH = LaunchConfig()
-MAX_SPLITS = 16
-# Programs per SM the split count aims for: a 64-row tile runs one warpgroup, and a second
-# program on the SM overlaps its softmax with the first one's matrix products.
-PROGRAMS_PER_SM = 2
+MAX_SPLITS = 8
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 
 
-def choose_num_splits(programs: int, device: torch.device) -> int:
-    """Split count that brings the grid to about ``PROGRAMS_PER_SM`` programs per SM.
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
-    Args:
-        programs: programs of one split (row blocks x KV heads x requests).
-        device: where the kernel runs; 1 off CUDA (the interpreter gains nothing).
+
+def choose_num_splits(programs: int, device: torch.device) -> int:
+    """Split count for a grid of ``programs`` programs per split (row blocks x heads x requests).
+
+    A grid that fills the SMs runs in one fused launch. A smaller one is split so each SM
+    gets about ``sms // programs`` programs, and at least two: a 64-row tile runs one
+    warpgroup, and a second program on the SM overlaps its softmax with the first one's
+    matrix products. Measured on an H200 (benchmarks/attention.py, CUDA-graph timing, bf16):
+    at L=3000, B=512, one request (128 programs) two splits took 35.8 us against 41.0 us for
+    one; for 16 programs (B=128, Qwen3-1.7B shape) eight splits took 19.3-32.2 us against
+    18.1-64.5 us for one, while sixteen splits took 78-96 us (the merge dominates).
 
     Returns:
-        1 .. MAX_SPLITS; 1 when the grid already fills the GPU (one fused launch).
+        1 .. MAX_SPLITS; always 1 off CUDA.
     """
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(MAX_SPLITS, round(PROGRAMS_PER_SM * sms / programs)))
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    if programs > sms:
+        return 1
+    return max(2, min(MAX_SPLITS, sms // programs))
 
 
 def beam_decode_attention(
