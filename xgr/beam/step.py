@@ -52,7 +52,8 @@ def constrained_beam_step(
     """Extend every beam by one code and keep the best ``beam_width`` per request.
 
     Runs on the tensors' device with no host synchronization (CUDA-graph safe): masking is
-    a gather from the trie level's tables, selection is ``torch.topk``.
+    a gather from the trie level's tables, selection is ``torch.topk``. On CUDA with code
+    log-probabilities it runs ``constrained_beam_step_triton``; this torch code is the reference.
 
     Args:
         state: beams before the step, (R, B_prev) each.
@@ -70,6 +71,8 @@ def constrained_beam_step(
         The new beams, (R, beam_width) each, best first; rows beyond the number of valid
         candidates have score -inf.
     """
+    if log_probs.is_cuda and level_token_ids is None:
+        return constrained_beam_step_triton(state, log_probs, level, beam_width, top_k)
     num_requests, prev_beams, vocab = log_probs.shape
     codes, children, valid = level.expand(state.nodes.reshape(-1))  # [R * B_prev, W]
     width = codes.shape[1]
@@ -107,6 +110,37 @@ def constrained_beam_step(
         parents,
     )
     return _pad_beams(state, beam_width)
+
+
+def constrained_beam_step_triton(
+    state: BeamState, log_probs: torch.Tensor, level: TrieLevel, beam_width: int, top_k: int
+) -> BeamState:
+    """``constrained_beam_step`` on code log-probabilities with two Triton kernels.
+
+    One kernel scores every beam's candidates (trie lookup, gather, mask), ``torch.topk``
+    selects, one kernel resolves the winners' parents, codes and trie nodes. Same arguments
+    and result as ``constrained_beam_step`` with ``level_token_ids=None``; (R, B_prev,
+    codebook_size) float32 ``log_probs`` with a contiguous last dimension.
+    """
+    from xgr.kernels.triton_beam import gather_selected, score_candidates
+
+    num_requests, prev_beams, num_codes = log_probs.shape
+    nodes = state.nodes.reshape(-1)
+    cand = score_candidates(
+        log_probs.reshape(-1, num_codes), nodes, state.scores.reshape(-1), level
+    )
+    width = cand.shape[1]
+    if top_k >= width:
+        k, slot = width, None
+        pool = cand.view(num_requests, prev_beams * width)
+    else:
+        k = top_k
+        beam_best, slot = cand.topk(k, dim=1)
+        pool = beam_best.view(num_requests, prev_beams * k)
+    keep = min(beam_width, prev_beams * k)
+    scores, flat = pool.topk(keep, dim=1)
+    new_nodes, codes, parents = gather_selected(flat, slot, scores, nodes, level, k)
+    return _pad_beams(BeamState(scores, new_nodes, codes, parents), beam_width)
 
 
 def _pad_beams(state: BeamState, beam_width: int) -> BeamState:

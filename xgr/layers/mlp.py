@@ -24,5 +24,12 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = _ACTIVATIONS[act]
 
+        self.silu = act == "silu"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.silu and x.is_cuda:  # one Triton pass instead of two kernels
+            from xgr.kernels.triton_elementwise import silu_mul
+
+            return self.down_proj(silu_mul(gate, up))
+        return self.down_proj(self.act(gate) * up)

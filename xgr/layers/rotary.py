@@ -29,7 +29,19 @@ def rope_cos_sin(
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (T, heads, head_dim) ``x`` by the (T, head_dim) tables of ``rope_cos_sin``."""
+    """Rotate (T, heads, head_dim) ``x`` by the (T, head_dim) tables of ``rope_cos_sin``.
+
+    On CUDA one Triton pass (``xgr.kernels.triton_elementwise``), else the reference.
+    """
+    if x.is_cuda and x.shape[-1] in (16, 32, 64, 128, 256):
+        from xgr.kernels import triton_elementwise
+
+        return triton_elementwise.apply_rope(x, cos, sin)
+    return apply_rope_reference(x, cos, sin)
+
+
+def apply_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The torch reference of ``apply_rope``: x * cos + rotate_half(x) * sin."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]

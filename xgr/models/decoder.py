@@ -27,8 +27,9 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias)
 
     def forward(self, x, cos, sin, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, meta)
+        x, h = self.post_attention_layernorm(attn, residual=x)  # the add fused into the norm
+        return x + self.mlp(h)
 
 
 class DecoderStack(nn.Module):

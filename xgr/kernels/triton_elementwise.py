@@ -1,0 +1,175 @@
+"""Triton kernels for the per-token elementwise work of a decoder layer.
+
+Eager PyTorch runs RMSNorm as six kernels, RoPE as five and the gated activation as two,
+each a pass over memory and, inside a CUDA graph, a node of a few microseconds: at decode
+(hundreds of rows) these launches, not the arithmetic, set a layer's time. Each kernel here
+does one pass. They reproduce the torch references (``xgr.layers``) rounding step by step
+(float32 arithmetic, rounded to the model dtype where the reference rounds), so they differ
+from them only by float32 rounding (rsqrt vs 1/sqrt, exp, fused multiply-adds), which in
+bf16/fp16 rarely changes the rounded result.
+
+References: RMSNorm (Zhang & Sennrich, 2019); RoPE in the half-split layout (Su et al.,
+"RoFormer", 2021); SiLU-gated feed-forward (Shazeer, "GLU Variants Improve Transformer", 2020).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    X, DELTA, W, OUT, SUM, stride_x, stride_d, stride_o, stride_s, dim, eps,
+    ADD: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < dim
+    x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0)
+    if ADD:  # residual add, rounded to the model dtype as the reference's ``x + delta``
+        x = x + tl.load(DELTA + row * stride_d + offs, mask=ok, other=0.0)
+        tl.store(SUM + row * stride_s + offs, x, mask=ok)
+    x32 = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / dim + eps)
+    y = (x32 * rstd).to(OUT.dtype.element_ty)
+    w = tl.load(W + offs, mask=ok, other=0.0)
+    out = y.to(tl.float32) * w.to(tl.float32)
+    tl.store(OUT + row * stride_o + offs, out.to(OUT.dtype.element_ty), mask=ok)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dimension, optionally after a residual add, in one pass.
+
+    Args:
+        x: (..., dim) fp32/fp16/bf16, last dimension contiguous.
+        weight: (dim,) the norm's scale, in x's dtype.
+        eps: added to the mean square.
+        residual: optional (..., dim) tensor added to x first.
+
+    Returns:
+        norm(x) in x's dtype; with residual, (x + residual, norm(x + residual)).
+
+    Raises:
+        ValueError: mismatched shapes, dtypes, or a non-contiguous last dimension.
+    """
+    dim = x.shape[-1]
+    if weight.shape != (dim,) or weight.dtype != x.dtype:
+        raise ValueError(f"weight must be ({dim},) {x.dtype}, got {tuple(weight.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError("residual must match x in shape and dtype")
+    x2 = x.reshape(-1, dim)
+    if x2.stride(-1) != 1:
+        raise ValueError("the last dimension must be contiguous")
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if residual is None:
+        delta, total = x2, out  # unused by the kernel
+    else:
+        delta = residual.reshape(-1, dim)
+        if delta.stride(-1) != 1:
+            raise ValueError("the last dimension must be contiguous")
+        total = torch.empty_like(out)
+    if x2.shape[0]:
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, delta, weight, out, total,
+            x2.stride(0), delta.stride(0), out.stride(0), total.stride(0), dim, eps,
+            ADD=residual is not None, BLOCK=triton.next_power_of_2(dim),
+            num_warps=4 if dim <= 2048 else 8,
+        )  # fmt: skip
+    out = out.view(x.shape)
+    return out if residual is None else (total.view(x.shape), out)
+
+
+@triton.jit
+def _silu_mul_kernel(G, U, OUT, stride_g, stride_u, stride_o, inter, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < inter
+    g = tl.load(G + row * stride_g + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_u + offs, mask=ok, other=0.0).to(tl.float32)
+    dtype = OUT.dtype.element_ty
+    act = (g / (1.0 + tl.exp(-g))).to(dtype)  # F.silu rounds here
+    tl.store(OUT + row * stride_o + offs, (act.to(tl.float32) * u).to(dtype), mask=ok)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in one pass.
+
+    Args:
+        gate, up: (T, I) of one dtype, last dimension contiguous.
+
+    Returns:
+        (T, I) in the inputs' dtype.
+
+    Raises:
+        ValueError: mismatched shapes or dtypes, or a non-contiguous last dimension.
+    """
+    if gate.shape != up.shape or gate.dtype != up.dtype or gate.dim() != 2:
+        raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must match (T, I)")
+    if gate.stride(-1) != 1 or up.stride(-1) != 1:
+        raise ValueError("gate and up need a contiguous last dimension")
+    rows, inter = gate.shape
+    out = torch.empty(rows, inter, dtype=gate.dtype, device=gate.device)
+    block = min(1024, triton.next_power_of_2(inter))
+    if rows:
+        _silu_mul_kernel[(rows, triton.cdiv(inter, block))](
+            gate, up, out, gate.stride(0), up.stride(0), out.stride(0), inter, BLOCK=block
+        )
+    return out
+
+
+@triton.jit
+def _rope_kernel(
+    X, COS, SIN, OUT, heads, stride_xt, stride_xh, stride_ct, stride_ot, stride_oh,
+    HALF: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    t = row // heads
+    h = row % heads
+    offs = tl.arange(0, HALF)
+    x_ptr = X + t * stride_xt + h * stride_xh
+    lo = tl.load(x_ptr + offs).to(tl.float32)
+    hi = tl.load(x_ptr + HALF + offs).to(tl.float32)
+    c_lo = tl.load(COS + t * stride_ct + offs).to(tl.float32)
+    c_hi = tl.load(COS + t * stride_ct + HALF + offs).to(tl.float32)
+    s_lo = tl.load(SIN + t * stride_ct + offs).to(tl.float32)
+    s_hi = tl.load(SIN + t * stride_ct + HALF + offs).to(tl.float32)
+    dtype = OUT.dtype.element_ty
+    # x * cos + rotate_half(x) * sin, each product rounded as the reference rounds it.
+    out_lo = (lo * c_lo).to(dtype).to(tl.float32) + (-hi * s_lo).to(dtype).to(tl.float32)
+    out_hi = (hi * c_hi).to(dtype).to(tl.float32) + (lo * s_hi).to(dtype).to(tl.float32)
+    o_ptr = OUT + t * stride_ot + h * stride_oh
+    tl.store(o_ptr + offs, out_lo.to(dtype))
+    tl.store(o_ptr + HALF + offs, out_hi.to(dtype))
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (T, heads, head_dim) x by the (T, head_dim) tables of ``rope_cos_sin``.
+
+    Returns:
+        (T, heads, head_dim) contiguous, in x's dtype.
+
+    Raises:
+        ValueError: shapes that do not fit, an odd head_dim or one that is not a power of two.
+    """
+    tokens, heads, head_dim = x.shape
+    half = head_dim // 2
+    if (
+        head_dim % 2
+        or half & (half - 1)
+        or cos.shape != (tokens, head_dim)
+        or sin.shape != cos.shape
+    ):
+        raise ValueError(f"x {tuple(x.shape)} and tables {tuple(cos.shape)} do not fit")
+    if x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        raise ValueError("x and the tables need a contiguous last dimension")
+    out = torch.empty(tokens, heads, head_dim, dtype=x.dtype, device=x.device)
+    if tokens:
+        _rope_kernel[(tokens * heads,)](
+            x, cos, sin, out, heads, x.stride(0), x.stride(1), cos.stride(0),
+            out.stride(0), out.stride(1), HALF=half, num_warps=1 if half <= 64 else 2,
+        )  # fmt: skip
+    return out
