@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from xgr import Engine, ItemCatalog  # noqa: E402
 from xgr.beam import BeamState, constrained_beam_step  # noqa: E402
-from xgr.engine.cuda_graph import DecodeGraphs  # noqa: E402
+from xgr.engine.cuda_graph import CudaGraphs  # noqa: E402
 from xgr.models.config import DecoderConfig  # noqa: E402
 from xgr.models.decoder import CausalLM  # noqa: E402
 
@@ -311,6 +311,8 @@ def main() -> None:
         hf = hf_model(shape, device)
         model = xgr_model(hf)
         cfg = model.config
+        weights = sum(t.nbytes for t in {id(t): t for t in model.state_dict().values()}.values())
+        report.setdefault("weights_gib", {})[name] = weights / 2**30
         engines = {}
         for levels in (3, 4):
             sid_map = sid_token_map(cfg.vocab_size, levels)
@@ -319,7 +321,7 @@ def main() -> None:
         configs += [(4, lengths[0], beams[1], r) for r in batches]
         for levels, length, beam_width, requests in configs:
             if device == "cuda":  # fresh graphs and prompt-KV pool: peak memory of this config
-                engines[levels].graphs = DecodeGraphs(model)
+                engines[levels].graphs = CudaGraphs(model)
                 gc.collect()
                 torch.cuda.empty_cache()
             try:
@@ -375,6 +377,7 @@ def main() -> None:
                 res = engine.recommend([row["prompt"]], beam_width=beam_width, top_k=beam_width)
                 ours = {tuple(c) for c, _ in res[0].semantic_ids[:10]}
                 row["top10_overlap"] = len(ours & {tuple(s) for s in row["hf_top10"]})
+                del engine, res
             row.pop("prompt", None)
             report["hf"].append(row)
             if "hf_ms" in row:

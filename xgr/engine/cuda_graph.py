@@ -1,15 +1,26 @@
-"""CUDA graphs of the decode levels: one graph per batch shape, replayed with no host sync.
+"""CUDA graphs of a request batch: prefill over padded token buckets, and the decode levels.
 
-A graph holds every level's selection, decode forward and KV bookkeeping for one
-(requests, beam width, top-k) shape; prompt lengths enter only through device tensors
-(offsets and lengths read by the kernels), so one graph serves any prompt lengths whose
-total fits the prompt-KV pool. Prefill stays eager (its kernels are large, so launch cost is
-hidden behind them) and writes into the pool the graphs read.
+Eager PyTorch pays a host launch for every kernel (hundreds per forward); on the H200's host
+that set a floor of about 20 ms on a prefill whatever its length. Graphs replay the same work
+with no host involvement:
 
-Graphs are captured on first use of a shape (after one eager warm-up run that compiles the
-Triton kernels) and kept in a small LRU; all share one memory pool, which is safe because
-replays never overlap and each result is copied out before the next replay. Batches with
-more requests than ``max_requests`` run eagerly, with a log line.
+- **prefill** graphs are keyed by (requests, padded tokens): the batch's packed prompts are
+  followed by one padding segment up to a bucket size (multiples of ``PREFILL_BUCKET``
+  tokens, of ``PREFILL_BUCKET_LARGE`` above ``PREFILL_LARGE_FROM``), so prompts of any
+  lengths with the same total bucket reuse one graph. Padding tokens form their own
+  sequence: with one request a causal attention over the whole buffer leaves the real
+  tokens' results unchanged (padding comes last); with several, packed flash attention
+  keeps sequences apart by their device offsets.
+- **decode** graphs are keyed by (requests, beam width, top-k) and hold every level's
+  selection, decode forward and KV bookkeeping; prompt lengths enter only through device
+  tensors (offsets and lengths read by the kernels).
+
+Both read and write one prompt-KV pool that grows in powers of two (dropping the graphs,
+which hold its address). Graphs are captured on first use of a shape, after one eager
+warm-up run that compiles the Triton kernels, and kept in an LRU; all share one memory pool,
+which is safe because replays never overlap (a lock serializes batches) and each result is
+copied out before the next replay. Batches beyond ``max_requests`` or ``max_prefill_tokens``
+run eagerly, with a log line.
 """
 
 from __future__ import annotations
@@ -27,49 +38,80 @@ logger = logging.getLogger(__name__)
 
 # The prompt-KV pool grows in powers of two from this many tokens.
 MIN_POOL_TOKENS = 4096
+PREFILL_BUCKET = 256
+PREFILL_BUCKET_LARGE = 1024
+PREFILL_LARGE_FROM = 4096
+
+
+def prefill_bucket(num_tokens: int) -> int:
+    """Padded token count of a prefill graph: above num_tokens (one padding token at least)."""
+    step = PREFILL_BUCKET if num_tokens < PREFILL_LARGE_FROM else PREFILL_BUCKET_LARGE
+    return (num_tokens // step + 1) * step
 
 
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    last_hidden: torch.Tensor  # static inputs, copied into before each replay
-    prompt_lens: torch.Tensor
-    cu_seqlens: torch.Tensor
-    nodes: torch.Tensor  # static outputs
-    scores: torch.Tensor
+    inputs: tuple[torch.Tensor, ...]  # static inputs, copied into before each replay
+    outputs: tuple[torch.Tensor, ...]  # static outputs, valid until the next replay
 
 
-class DecodeGraphs:
-    """Captured decode graphs of one model and the prompt-KV pool they read.
+class CudaGraphs:
+    """Captured prefill and decode graphs of one model, and the prompt-KV pool they use.
 
     Args:
         model: the model whose layers the graphs run (on a CUDA device).
         max_requests: the largest batch (requests) captured; larger batches run eagerly.
+        max_prefill_tokens: the largest padded prefill captured; longer ones run eagerly.
         max_graphs: graphs kept; the least recently used is dropped beyond this.
 
-    Not thread-safe by design of CUDA graphs; calls are serialized by an internal lock,
-    held by the caller from ``shared_kv`` to the end of ``replay`` (see ``generate``).
+    Callers hold ``lock`` from ``shared_kv`` until the outputs of ``replay_decode`` have been
+    copied out (``xgr.engine.generate`` does).
     """
 
-    def __init__(self, model, max_requests: int = 64, max_graphs: int = 16) -> None:
+    def __init__(
+        self,
+        model,
+        max_requests: int = 64,
+        max_prefill_tokens: int = 65536,
+        max_graphs: int = 32,
+    ) -> None:
         self.model = model
         self.max_requests = max_requests
+        self.max_prefill_tokens = max_prefill_tokens
         self.max_graphs = max_graphs
         self.lock = threading.RLock()
-        self._graphs: OrderedDict[tuple[int, int, int], _Graph] = OrderedDict()
+        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._pool_k: torch.Tensor | None = None
         self._pool_v: torch.Tensor | None = None
         self._mempool = None
         self.captures = 0  # graphs captured so far (for tests and logs)
 
     def accepts(self, num_requests: int) -> bool:
-        """Whether a batch of this many requests replays a graph (else: eager, logged)."""
+        """Whether a batch of this many requests replays graphs (else: eager, logged)."""
         if num_requests <= self.max_requests:
             return True
         logger.info(
-            "batch of %d requests is above the CUDA-graph limit %d: decoding eagerly",
+            "batch of %d requests is above the CUDA-graph limit %d: running eagerly",
             num_requests,
             self.max_requests,
+        )
+        return False
+
+    def prefill_accepts(self, inputs) -> bool:
+        """Whether a batch's prefill replays a graph (else: eager, logged).
+
+        Several requests need packed flash attention (fp16/bf16) to share one padded buffer;
+        a float32 batch of several requests prefills eagerly (without a log line: expected).
+        """
+        if inputs.num_requests > 1 and self.model.lm_head.weight.dtype == torch.float32:
+            return False
+        if prefill_bucket(inputs.num_tokens) <= self.max_prefill_tokens:
+            return True
+        logger.info(
+            "prefill of %d tokens is above the CUDA-graph limit %d: running it eagerly",
+            inputs.num_tokens,
+            self.max_prefill_tokens,
         )
         return False
 
@@ -77,25 +119,77 @@ class DecodeGraphs:
     def pool_tokens(self) -> int:
         return 0 if self._pool_k is None else self._pool_k.shape[1]
 
-    def shared_kv(self, inputs) -> SharedKV:
-        """The pool as this batch's prompt KV, grown (and graphs dropped) if too small."""
-        if inputs.num_tokens > self.pool_tokens:
+    def shared_kv(self, inputs, num_tokens: int | None = None) -> SharedKV:
+        """The pool as this batch's prompt KV, grown (and graphs dropped) if too small.
+
+        Args:
+            inputs: the batch's ``BatchInputs``.
+            num_tokens: tokens the pool must hold (a padded prefill); default the batch's.
+        """
+        needed = max(num_tokens or 0, inputs.num_tokens)
+        if needed > self.pool_tokens:
             tokens = MIN_POOL_TOKENS
-            while tokens < inputs.num_tokens:
+            while tokens < needed:
                 tokens *= 2
             cfg = self.model.config
             weight = self.model.lm_head.weight
             shape = (cfg.num_layers, tokens, cfg.num_kv_heads, cfg.head_dim)
-            self._graphs.clear()  # they read the old pool
+            self._graphs.clear()  # they hold the old pool's address
             self._pool_k = self._pool_v = None
             self._pool_k = torch.empty(shape, dtype=weight.dtype, device=weight.device)
             self._pool_v = torch.empty_like(self._pool_k)
-            logger.info(
-                "prompt-KV pool: %d tokens (%.1f GiB)", tokens, 2 * self._pool_k.nbytes / 2**30
-            )
+            gib = 2 * self._pool_k.nbytes / 2**30
+            logger.info("prompt-KV pool: %d tokens (%.2f GiB)", tokens, gib)
         return SharedKV(self._pool_k, self._pool_v, inputs.cu_seqlens, inputs.seqlens)
 
-    def replay(self, spec, last_hidden, inputs, beam_width: int, top_k: int):
+    def replay_prefill(self, inputs) -> torch.Tensor:
+        """Prefill a batch from its (requests, padded tokens) graph; writes the pool's KV.
+
+        Returns:
+            (R, hidden) graph-owned final hidden state of each prompt's last token.
+        """
+        from xgr.engine.generate import PREFILL_PAD_TOKEN
+        from xgr.layers.attention import PrefillMetadata
+
+        total, num = inputs.num_tokens, inputs.num_requests
+        padded = prefill_bucket(total)
+        self.shared_kv(inputs, padded)
+        key = ("prefill", num, padded)
+        entry = self._graphs.get(key)
+        if entry is None:
+            tokens = torch.full(
+                (padded,), PREFILL_PAD_TOKEN, dtype=torch.int64, device=inputs.tokens.device
+            )
+            positions = torch.zeros_like(tokens)
+            cu = torch.full((num + 2,), padded, dtype=torch.int32, device=tokens.device)
+            last = inputs.last_index.clone()
+            shared = SharedKV(self._pool_k, self._pool_v, cu, [])
+            # One request: a causal pass over the whole buffer (padding last changes nothing
+            # before it); several: packed flash attention keeps the sequences apart.
+            meta = PrefillMetadata(shared, [0, padded], cu, padded, packed=num > 1)
+
+            def run():
+                hidden = self.model(tokens, positions, meta)
+                return (hidden[last],)
+
+            self._fill_prefill((tokens, positions, cu, last), inputs)
+            entry = self._capture(key, run, (tokens, positions, cu, last))
+        else:
+            self._graphs.move_to_end(key)
+            self._fill_prefill(entry.inputs, inputs)
+        entry.graph.replay()
+        return entry.outputs[0]
+
+    @staticmethod
+    def _fill_prefill(static, inputs) -> None:
+        tokens, positions, cu, last = static
+        total = inputs.num_tokens
+        tokens[:total].copy_(inputs.tokens)
+        positions[:total].copy_(inputs.positions)
+        cu[: inputs.num_requests + 1].copy_(inputs.cu_seqlens)
+        last.copy_(inputs.last_index)
+
+    def replay_decode(self, spec, last_hidden, inputs, beam_width: int, top_k: int):
         """Run the decode levels of a prefilled batch from its shape's graph.
 
         Args:
@@ -109,34 +203,30 @@ class DecodeGraphs:
         """
         from xgr.engine.generate import decode_levels
 
-        key = (inputs.num_requests, beam_width, top_k)
+        key = ("decode", inputs.num_requests, beam_width, top_k)
         entry = self._graphs.get(key)
+        static = (last_hidden, inputs.prompt_lens, inputs.cu_seqlens)
         if entry is None:
-            entry = self._capture(spec, decode_levels, last_hidden, inputs, beam_width, top_k)
-            self._graphs[key] = entry
-            while len(self._graphs) > self.max_graphs:
-                self._graphs.popitem(last=False)
+            hidden, lens, cu = (t.clone() for t in static)
+            shared = SharedKV(self._pool_k, self._pool_v, cu, [])
+
+            def run():
+                return decode_levels(
+                    spec, hidden, lens, shared, inputs.cu_seqlens_host, beam_width, top_k
+                )
+
+            entry = self._capture(key, run, (hidden, lens, cu))
         else:
             self._graphs.move_to_end(key)
-        entry.last_hidden.copy_(last_hidden)
-        entry.prompt_lens.copy_(inputs.prompt_lens)
-        entry.cu_seqlens.copy_(inputs.cu_seqlens)
+            for dst, src in zip(entry.inputs, static, strict=True):
+                dst.copy_(src)
         entry.graph.replay()
-        return entry.nodes, entry.scores
+        return entry.outputs
 
-    def _capture(self, spec, decode_levels, last_hidden, inputs, beam_width, top_k) -> _Graph:
-        static_hidden = last_hidden.clone()
-        static_lens = inputs.prompt_lens.clone()
-        static_cu = inputs.cu_seqlens.clone()
-        shared = SharedKV(self._pool_k, self._pool_v, static_cu, [])
-
-        def run():
-            return decode_levels(
-                spec, static_hidden, static_lens, shared, inputs.cu_seqlens_host, beam_width, top_k
-            )
-
+    def _capture(self, key, run, inputs) -> _Graph:
         # Warm up on a side stream (compiles kernels, creates library handles) before capture.
-        side = torch.cuda.Stream(device=last_hidden.device)
+        device = inputs[0].device
+        side = torch.cuda.Stream(device=device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             run()
@@ -145,12 +235,11 @@ class DecodeGraphs:
             self._mempool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._mempool):
-            nodes, scores = run()
+            outputs = run()
         self.captures += 1
-        logger.info(
-            "captured decode graph: %d requests, beam width %d, top-k %d",
-            inputs.num_requests,
-            beam_width,
-            top_k,
-        )
-        return _Graph(graph, static_hidden, static_lens, static_cu, nodes, scores)
+        logger.info("captured CUDA graph %s", key)
+        entry = _Graph(graph, inputs, tuple(outputs))
+        self._graphs[key] = entry
+        while len(self._graphs) > self.max_graphs:
+            self._graphs.popitem(last=False)
+        return entry

@@ -21,7 +21,7 @@ from xgr.core import (
     SearchParams,
     XgrError,
 )
-from xgr.engine.cuda_graph import DecodeGraphs
+from xgr.engine.cuda_graph import CudaGraphs
 from xgr.engine.generate import DecodeSpec, generate_semantic_ids
 from xgr.engine.prompt import PromptFormat
 from xgr.models import CausalLM, load_causal_lm
@@ -90,7 +90,7 @@ class Engine:
         self.decode_spec = DecodeSpec.build(
             model, self.trie, self.sid_token_ids, full_vocab, self.attention_backend
         )
-        self.graphs = DecodeGraphs(model) if cuda_graphs and self.device.type == "cuda" else None
+        self.graphs = CudaGraphs(model) if cuda_graphs and self.device.type == "cuda" else None
         if self.max_prompt_tokens < 1:
             raise XgrError(
                 f"max_position_embeddings {model.config.max_position_embeddings} leaves no room "

@@ -13,8 +13,8 @@ Steps, for R prompts, beam width B and L levels:
 Everything from the start of prefill to the end of the last level runs on the device with
 no host synchronization: the batch's host-built inputs go to the device in one copy before
 any compute, scores are computed only for each level's codes (``xgr.beam.logits``), and the
-only device-to-host transfer is the final (R, B) result. On CUDA, steps 2-4 replay a CUDA
-graph per batch shape (``xgr.engine.cuda_graph``).
+only device-to-host transfer is the final (R, B) result. On CUDA, prefill and steps 2-4
+replay CUDA graphs per batch shape (``xgr.engine.cuda_graph``).
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ from xgr.catalog.trie import PrefixTrie
 from xgr.kv import BeamKV, SharedKV
 from xgr.layers.attention import DecodeMetadata, PrefillMetadata
 from xgr.models.decoder import CausalLM
+
+# Token id of a padded prefill's filler tokens (their results are never read).
+PREFILL_PAD_TOKEN = 0
 
 
 @dataclass
@@ -263,8 +266,8 @@ def generate_semantic_ids(
         prompts: R non-empty lists of token ids (validated by the caller).
         beam_width: beams kept per request.
         top_k: candidates per beam per step.
-        graphs: an ``xgr.engine.cuda_graph.DecodeGraphs`` to replay the decode levels from
-            CUDA graphs; None runs them eagerly.
+        graphs: an ``xgr.engine.cuda_graph.CudaGraphs`` to replay prefill and the decode
+            levels from CUDA graphs; None runs them eagerly.
 
     Returns:
         The best ``beam_width`` semantic IDs of each prompt with their scores, on the host.
@@ -285,16 +288,16 @@ def _generate(spec, prompts, beam_width, top_k, graphs) -> GenerationOutput:
     start = time.perf_counter()
     inputs = prepare_inputs(prompts, device)
     use_graph = graphs is not None and graphs.accepts(inputs.num_requests)
-    if use_graph:
-        shared = graphs.shared_kv(inputs)
+    if use_graph and graphs.prefill_accepts(inputs):
+        last_hidden = graphs.replay_prefill(inputs)
     else:
-        shared = allocate_shared_kv(spec.model, inputs)
-    last_hidden = prefill(spec.model, inputs, shared)
+        shared = graphs.shared_kv(inputs) if use_graph else allocate_shared_kv(spec.model, inputs)
+        last_hidden = prefill(spec.model, inputs, shared)
     if cuda:
         events[1].record()
     prefilled = time.perf_counter()
     if use_graph:
-        nodes, scores = graphs.replay(spec, last_hidden, inputs, beam_width, top_k)
+        nodes, scores = graphs.replay_decode(spec, last_hidden, inputs, beam_width, top_k)
     else:
         nodes, scores = decode_levels(
             spec, last_hidden, inputs.prompt_lens, shared, inputs.cu_seqlens_host, beam_width, top_k

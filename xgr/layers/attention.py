@@ -24,12 +24,15 @@ class PrefillMetadata:
         cu_seqlens_device: (R + 1,) int32 copy of cu_seqlens on the model's device, for the
             packed flash-attention path (made per layer from cu_seqlens if None).
         max_seqlen: the longest prompt (tokens); None: computed from cu_seqlens.
+        packed: force (True) or forbid (False) the packed flash-attention launch; None: the
+            measured choice of ``prefill_attention``.
     """
 
     shared: SharedKV
     cu_seqlens: list[int]
     cu_seqlens_device: torch.Tensor | None = None
     max_seqlen: int | None = None
+    packed: bool | None = None
 
 
 @dataclass
@@ -102,8 +105,9 @@ class Attention(nn.Module):
             meta.shared.k[layer, :tokens].copy_(k)
             meta.shared.v[layer, :tokens].copy_(v)
             out = prefill_attention(
-                q, k, v, meta.cu_seqlens, self.scale, meta.cu_seqlens_device, meta.max_seqlen
-            )
+                q, k, v, meta.cu_seqlens, self.scale, meta.cu_seqlens_device, meta.max_seqlen,
+                meta.packed,
+            )  # fmt: skip
         else:
             slot = meta.beam.length
             meta.beam.k[layer, :, slot] = k
