@@ -9,7 +9,8 @@ constrained beam step alone, replayed from a CUDA graph on the same shapes), the
 forward (decode levels minus selection), peak GPU memory, and the fraction of the chip's
 matrix rate (measured in the same run) that the bf16 arithmetic of the request would need at
 that latency. HF transformers ``generate`` with the catalog trie as ``prefix_allowed_tokens_fn``
-runs on the same weights for a few configurations, with its top-10 agreement to xgr.
+runs on the same weights (re-created from the same seed after xgr's runs, so each side's peak
+memory is its own) for a few configurations, with its top-10 agreement to xgr.
 
     python benchmarks/e2e_latency.py --output benchmarks/results/e2e-latency.json
     python benchmarks/e2e_latency.py --tiny --output /tmp/e2e.json   # CPU smoke run
@@ -308,8 +309,11 @@ def main() -> None:
     )
     lines = []
     for name, shape in shapes.items():
-        hf = hf_model(shape, device)
-        model = xgr_model(hf)
+        model = xgr_model(hf_model(shape, device))  # the HF model is dropped: peak memory
+        model.fuse_projections()  # is xgr's alone; HF runs later on a re-created copy
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
         cfg = model.config
         weights = sum(t.nbytes for t in {id(t): t for t in model.state_dict().values()}.values())
         report.setdefault("weights_gib", {})[name] = weights / 2**30
@@ -352,9 +356,9 @@ def main() -> None:
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
-        for hf_name, levels, length, beam_width, requests in hf_configs if not args.no_hf else []:
-            if hf_name != name:
-                continue
+        todo = [c for c in hf_configs if c[0] == name and not args.no_hf]
+        hf = hf_model(shape, device) if todo else None  # same seed: the same weights
+        for hf_name, levels, length, beam_width, requests in todo:
             sid_map = sid_token_map(cfg.vocab_size, levels)
             try:
                 row = run_hf(hf, catalogs[levels], sid_map, cfg, length, beam_width, device)

@@ -4,7 +4,8 @@ A decode step scores each beam's candidates, which are codes of one level: the L
 applied to those codes' rows only (C of the V vocabulary rows), and the full-vocabulary
 normalizer log-sum-exp(h . W_v) is computed in vocabulary chunks, so the (N, V) float32
 log-softmax is never materialized. The result equals ``log_softmax(h @ W.T)`` at the level's
-codes, as HF ``generate`` scores them.
+codes, as HF ``generate`` scores them (exactly in float32; in bf16 the code logits are not
+rounded to bf16, see ``level_head_weights``).
 """
 
 from __future__ import annotations
@@ -17,17 +18,22 @@ LSE_CHUNK_ELEMENTS = 1 << 26
 
 
 def level_head_weights(lm_head_weight: torch.Tensor, sid_token_ids: torch.Tensor) -> torch.Tensor:
-    """The LM-head rows of every level's codes.
+    """The LM-head rows of every level's codes, in float32.
+
+    Code logits are computed in float32 from them: in bf16 a logit near 10 is rounded to
+    steps of 0.06, which turns close candidates into exact ties that any upstream rounding
+    difference reorders; HF rounds logits to the model dtype, so in bf16 xgr's scores are the
+    more exact of the two.
 
     Args:
         lm_head_weight: (vocab_size, hidden_size) in the model dtype.
         sid_token_ids: (num_levels, codebook_size) int64 vocabulary id of each code.
 
     Returns:
-        (num_levels, codebook_size, hidden_size) copy in the model dtype.
+        (num_levels, codebook_size, hidden_size) float32 copy.
     """
     ids = sid_token_ids.clamp(0, lm_head_weight.shape[0] - 1)
-    return lm_head_weight[ids].contiguous()
+    return lm_head_weight[ids].float().contiguous()
 
 
 def full_vocab_logsumexp(hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
@@ -59,7 +65,7 @@ def code_log_probs(
 
     Args:
         hidden: (N, hidden_size) final hidden states, model dtype.
-        level_weight: (codebook_size, hidden_size) LM-head rows of the level's codes.
+        level_weight: (codebook_size, hidden_size) float32 LM-head rows of the level's codes.
         lm_head_weight: (vocab_size, hidden_size) full LM head, to normalize over the whole
             vocabulary (exact next-token log-probabilities); None to normalize over the
             level's codes only (for models whose vocabulary is only semantic-ID codes).
@@ -67,7 +73,7 @@ def code_log_probs(
     Returns:
         (N, codebook_size) float32.
     """
-    logits = (hidden @ level_weight.T).float()
+    logits = hidden.float() @ level_weight.T
     if lm_head_weight is None:
         return torch.log_softmax(logits, dim=-1)
     return logits - full_vocab_logsumexp(hidden, lm_head_weight)[:, None]

@@ -45,7 +45,8 @@ class Engine:
     """Serves recommendations from one model and one catalog.
 
     Args:
-        model: the decoder-only LM, already on its device and dtype.
+        model: the decoder-only LM, already on its device and dtype; its projections are
+            fused in place (``CausalLM.fuse_projections``).
         catalog: the items served.
         sid_token_ids: (num_levels, codebook_size) int array, vocabulary id of each code.
         tokenizer: optional ``tokenizers.Tokenizer`` for string prompts.
@@ -74,6 +75,7 @@ class Engine:
         full_vocab: bool = True,
         cuda_graphs: bool = True,
     ) -> None:
+        model.fuse_projections()  # one GEMM for q/k/v and one for gate/up, per layer
         self.model = model
         self.catalog = catalog
         self.tokenizer = tokenizer

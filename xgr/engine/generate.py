@@ -150,7 +150,8 @@ class DecodeSpec:
         model: the decoder-only LM.
         trie: the catalog's valid-path trie, on the model's device.
         sid_token_ids: (num_levels, codebook_size) int64 vocabulary id of each code.
-        level_weights: (num_levels, codebook_size, hidden) LM-head rows of each level's codes.
+        level_weights: (num_levels, codebook_size, hidden) float32 LM-head rows of each
+            level's codes.
         full_vocab: normalize scores over the whole vocabulary (exact log-probabilities);
             False normalizes over each level's codes (vocabularies of codes only).
         attention_backend: "torch" (reference) or "triton" (GPU kernel) decode attention.

@@ -83,6 +83,28 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
+        self.qkv_proj: nn.Linear | None = None
+
+    @torch.no_grad()
+    def fuse_projections(self) -> None:
+        """Replace q_proj, k_proj and v_proj by one ``qkv_proj`` (their rows concatenated).
+
+        One GEMM instead of three per layer; done after the checkpoint is loaded (the HF
+        names are kept until then). Idempotent.
+        """
+        if self.qkv_proj is not None:
+            return
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        weight = parts[0].weight
+        fused = nn.Linear(
+            weight.shape[1], sum(p.weight.shape[0] for p in parts),
+            bias=parts[0].bias is not None, device=weight.device, dtype=weight.dtype,
+        )  # fmt: skip
+        fused.weight.copy_(torch.cat([p.weight for p in parts]))
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([p.bias for p in parts]))
+        self.qkv_proj = fused
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
         self,
@@ -93,9 +115,15 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x: (T, hidden) tokens (prompt tokens, or one per beam); returns (T, hidden)."""
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:  # one GEMM; q, k, v are column views of its output
+            q_dim = self.num_heads * self.head_dim
+            kv_dim = self.num_kv_heads * self.head_dim
+            q, k, v = self.qkv_proj(x).split([q_dim, kv_dim, kv_dim], dim=1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -25,9 +25,29 @@ class GatedMLP(nn.Module):
         self.act = _ACTIVATIONS[act]
 
         self.silu = act == "silu"
+        self.gate_up_proj: nn.Linear | None = None
+
+    @torch.no_grad()
+    def fuse_projections(self) -> None:
+        """Replace gate_proj and up_proj by one ``gate_up_proj`` (rows concatenated). Idempotent."""
+        if self.gate_up_proj is not None:
+            return
+        gate, up = self.gate_proj, self.up_proj
+        fused = nn.Linear(
+            gate.weight.shape[1], 2 * gate.weight.shape[0], bias=gate.bias is not None,
+            device=gate.weight.device, dtype=gate.weight.dtype,
+        )  # fmt: skip
+        fused.weight.copy_(torch.cat([gate.weight, up.weight]))
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([gate.bias, up.bias]))
+        self.gate_up_proj = fused
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.gate_up_proj is not None:  # one GEMM; gate and up are column views
+            gate, up = self.gate_up_proj(x).chunk(2, dim=1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
         if self.silu and x.is_cuda:  # one Triton pass instead of two kernels
             from xgr.kernels.triton_elementwise import silu_mul
 

@@ -77,6 +77,17 @@ class CausalLM(nn.Module):
             x = layer(x, cos, sin, meta)
         return self.model.norm(x)
 
+    def fuse_projections(self) -> None:
+        """Fuse each layer's q/k/v and gate/up projections into one GEMM each (idempotent).
+
+        Call after loading weights: the fused modules replace the HF-named ones, so a state
+        dict saved afterwards no longer has HF names. Peak memory grows by one layer's
+        projections while fusing.
+        """
+        for layer in self.model.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
+
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden_size) -> (N, vocab_size) float32 log-softmax over the full vocabulary."""
         return torch.log_softmax(self.lm_head(hidden).float(), dim=-1)
