@@ -358,7 +358,7 @@ def main() -> None:
             torch.cuda.empty_cache()
         todo = [c for c in hf_configs if c[0] == name and not args.no_hf]
         hf = hf_model(shape, device) if todo else None  # same seed: the same weights
-        for hf_name, levels, length, beam_width, requests in todo:
+        for _, levels, length, beam_width, requests in todo:
             sid_map = sid_token_map(cfg.vocab_size, levels)
             try:
                 row = run_hf(hf, catalogs[levels], sid_map, cfg, length, beam_width, device)

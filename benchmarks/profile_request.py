@@ -1,0 +1,135 @@
+"""Where one request's GPU time goes: a kernel profile of prefill and of the decode levels.
+
+Runs one request (Qwen3-1.7B shape, random bf16 weights, 1M-item catalog of 3 x 256 codes) on
+the eager path, so the profiler sees every kernel, and sums device time per kernel family
+(GEMM, attention, xgr's fused elementwise kernels, beam selection, other). It also times the
+same request through the CUDA-graph path, whose kernels are the same without launch gaps.
+
+    python benchmarks/profile_request.py --output profile.json [--prompt-len 1000 --beam 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from e2e_latency import SHAPES, TINY, hf_model, random_catalog, sid_token_map, xgr_model  # noqa: E402
+
+from xgr import Engine  # noqa: E402
+from xgr.engine.generate import decode_levels, prefill, prepare_inputs  # noqa: E402
+
+FAMILIES = (  # first match wins; matched against lower-case kernel names
+    ("decode attention (xgr Triton)", ("_beam_decode_attention",)),
+    ("prefill attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
+    ("fused elementwise (xgr Triton)", ("_rms_norm", "_rope", "_silu_mul")),
+    ("beam selection", ("_score_candidates", "_gather_selected", "topk", "sort", "radix")),
+    ("GEMM", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul")),
+    ("reductions (log-sum-exp)", ("reduce", "logsumexp")),
+    ("copies and indexing", ("copy", "memcpy", "index", "gather", "scatter", "cat")),
+)
+
+
+def family(name: str) -> str:
+    low = name.lower()
+    for label, keys in FAMILIES:
+        if any(k in low for k in keys):
+            return label
+    return "other elementwise"
+
+
+def kernel_table(prof, cuda: bool) -> tuple[dict[str, float], list[tuple[str, float, int]]]:
+    """Device ms per family and the top kernels (name, ms, calls) of a profile.
+
+    On the CPU (the --tiny smoke run) top-level CPU ops stand in for kernels.
+    """
+    per_kernel: dict[str, list[float]] = defaultdict(list)
+    for event in prof.events():
+        if cuda and event.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[event.name].append(event.device_time_total / 1e3)
+        elif not cuda and event.cpu_parent is None:
+            per_kernel[event.name].append(event.cpu_time_total / 1e3)
+    families: dict[str, float] = defaultdict(float)
+    for name, times in per_kernel.items():
+        families[family(name)] += sum(times)
+    top = sorted(((n, sum(t), len(t)) for n, t in per_kernel.items()), key=lambda r: -r[1])
+    return dict(families), top[:12]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", type=Path, required=True)
+    parser.add_argument("--shape", default="qwen3-1.7b", choices=list(SHAPES))
+    parser.add_argument("--prompt-len", type=int, default=1000)
+    parser.add_argument("--beam", type=int, default=256)
+    parser.add_argument("--requests", type=int, default=1)
+    parser.add_argument("--tiny", action="store_true", help="small shapes on the CPU (smoke)")
+    args = parser.parse_args()
+    cuda = not args.tiny
+    model = xgr_model(
+        hf_model(TINY if args.tiny else SHAPES[args.shape], "cuda" if cuda else "cpu")
+    )
+    catalog = random_catalog(5000 if args.tiny else 1_000_000, 3)
+    engine = Engine(model, catalog, sid_token_map(model.config.vocab_size, 3), cuda_graphs=False)
+    graphed = Engine(model, catalog, sid_token_map(model.config.vocab_size, 3))
+    rng = np.random.default_rng(0)
+    vocab = model.config.vocab_size - 3 * 256
+    prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(args.requests)]
+    beam, spec = args.beam, engine.decode_spec
+
+    def timed(eng) -> float:
+        times = []
+        for _ in range(7):
+            start = time.perf_counter()
+            eng.recommend(prompts, beam_width=beam, top_k=beam)
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times[2:])
+
+    report = {"shape": args.shape, "prompt_len": args.prompt_len, "beam_width": beam}
+    report.update(requests=args.requests, eager_ms=timed(engine), graph_ms=timed(graphed))
+    with torch.inference_mode():
+        inputs = prepare_inputs(prompts, engine.device)
+        from xgr.engine.generate import allocate_shared_kv
+
+        shared = allocate_shared_kv(model, inputs)
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        activity = [ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]
+        sync()
+        with profile(activities=activity) as prof_prefill:
+            last = prefill(model, inputs, shared)
+            sync()
+        with profile(activities=activity) as prof_decode:
+            decode_levels(
+                spec, last, inputs.prompt_lens, shared, inputs.cu_seqlens_host, beam, beam
+            )
+            sync()
+    lines = [
+        f"{args.shape} L={args.prompt_len} B={beam} R={args.requests}: eager "
+        f"{report['eager_ms']:.1f} ms, CUDA graphs {report['graph_ms']:.1f} ms"
+    ]
+    for phase, prof in (("prefill", prof_prefill), ("decode levels", prof_decode)):
+        families, top = kernel_table(prof, cuda)
+        report[phase] = {"families_ms": families, "top_kernels": top,
+                         "kernel_ms": sum(families.values())}  # fmt: skip
+        lines.append(f"\n{phase}: {sum(families.values()):.2f} ms of kernels")
+        for label, ms in sorted(families.items(), key=lambda kv: -kv[1]):
+            lines.append(f"  {label:<34}{ms:8.2f} ms")
+        lines.append("  top kernels:")
+        for name, ms, calls in top[:8]:
+            lines.append(f"    {ms:7.2f} ms {calls:5d}x  {name[:90]}")
+    args.output.write_text(json.dumps(report, indent=1) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
