@@ -267,6 +267,9 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="small shapes on the CPU (smoke)")
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES))
     parser.add_argument("--no-hf", action="store_true", help="skip HF transformers")
+    parser.add_argument("--lengths", type=int, nargs="*", help="prompt lengths (default: all)")
+    parser.add_argument("--beams", type=int, nargs="*", help="beam widths (default: all)")
+    parser.add_argument("--batches", type=int, nargs="*", help="requests per batch (default: all)")
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
     if args.tiny:
@@ -289,6 +292,8 @@ def main() -> None:
             10,
         )
         hf_configs = HF_CONFIGS
+    lengths, beams, batches = args.lengths or lengths, args.beams or beams, args.batches or batches
+    hf_configs = [c for c in hf_configs if c[2] in lengths and c[3] in beams and c[4] in batches]
     rate = matmul_flop_rate(device)
     report = {
         "benchmark": "whole-request latency: prefill + levels (top_k = beam width)",
@@ -322,7 +327,7 @@ def main() -> None:
             sid_map = sid_token_map(cfg.vocab_size, levels)
             engines[levels] = Engine(model, catalogs[levels], sid_map, name=name)
         configs = [(3, *c) for c in itertools.product(lengths, beams, batches)]
-        configs += [(4, lengths[0], beams[1], r) for r in batches]
+        configs += [(4, lengths[0], beams[len(beams) // 2], r) for r in batches]
         for levels, length, beam_width, requests in configs:
             if device == "cuda":  # fresh graphs and prompt-KV pool: peak memory of this config
                 engines[levels].graphs = CudaGraphs(model)
