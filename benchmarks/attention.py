@@ -23,7 +23,6 @@ import dataclasses
 import datetime
 import itertools
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -31,6 +30,9 @@ import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import graph_ms  # noqa: E402
+
 from xgr.kernels.decode_attention import decode_attention_reference  # noqa: E402
 from xgr.kernels.prefill_attention import (  # noqa: E402
     prefill_attention,
@@ -64,34 +66,7 @@ def bench_eager(fn, warmup: int = 10, rep: int = 50) -> float:
     return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
-def bench(fn, calls: int = 8, replays: int = 25) -> float:
-    """Median device milliseconds per call of ``fn``, with no host launch gaps.
-
-    ``calls`` back-to-back calls are captured in one CUDA graph (as the engine's decode runs)
-    and the graph is replayed; each replay is timed with CUDA events and divided by ``calls``.
-    """
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    del graph
-    return statistics.median(times)
+bench = graph_ms  # device time per call from CUDA-graph replays
 
 
 def measure_ceilings() -> dict[str, float]:

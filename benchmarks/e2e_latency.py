@@ -32,6 +32,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import graph_ms  # noqa: E402
+
 from xgr import Engine, ItemCatalog  # noqa: E402
 from xgr.beam import BeamState, constrained_beam_step  # noqa: E402
 from xgr.engine.cuda_graph import CudaGraphs  # noqa: E402
@@ -96,28 +99,6 @@ def sid_token_map(vocab: int, levels: int) -> np.ndarray:
     return base + np.arange(levels * CODEBOOK).reshape(levels, CODEBOOK)
 
 
-def bench_graph(fn, calls: int = 5, replays: int = 20) -> float:
-    """Median device ms per call of fn, from CUDA-graph replays (no launch gaps)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(replays):
-        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
-
-
 def selection_ms(engine: Engine, requests: int, beam_width: int) -> list[float]:
     """Device ms of the constrained beam step of each level (random scores, live nodes)."""
     device, trie = engine.device, engine.trie
@@ -135,7 +116,7 @@ def selection_ms(engine: Engine, requests: int, beam_width: int) -> list[float]:
         def step(state=state, log_probs=log_probs, level=level):
             constrained_beam_step(state, log_probs, level, None, beam_width, beam_width)
 
-        out.append(bench_graph(step))
+        out.append(graph_ms(step))
     return out
 
 
@@ -257,7 +238,7 @@ def matmul_flop_rate(device: str) -> float:
         return float("nan")
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn_like(a)
-    ms = bench_graph(lambda: a @ b, calls=3, replays=10)
+    ms = graph_ms(lambda: a @ b, calls=3, replays=10)
     return 2 * 8192**3 / (ms * 1e-3)
 
 

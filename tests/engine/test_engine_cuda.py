@@ -54,19 +54,23 @@ def test_bfloat16_gpu_keeps_the_top_items(model_dirs):
     assert np.mean(overlaps) >= 8
 
 
+def graphed_and_eager(model_dir, catalog):
+    """float32 CUDA engines over one model folder: with CUDA graphs, and without."""
+    sid_map = sequential_sid_map(3, 16, 8)
+    return tuple(
+        Engine.from_pretrained(
+            model_dir, catalog, device="cuda", sid_token_ids=sid_map, cuda_graphs=graphs
+        )
+        for graphs in (True, False)
+    )
+
+
 def sid_lists(results):
     return [[c for c, _ in r.semantic_ids] for r in results]
 
 
 def test_graph_replay_equals_eager_and_serves_other_prompt_lengths(model_dirs):
-    catalog = random_catalog(600, 3, 16, seed=3)
-    sid_map = sequential_sid_map(3, 16, 8)
-    graphed = Engine.from_pretrained(
-        model_dirs["qwen3"], catalog, device="cuda", sid_token_ids=sid_map
-    )
-    eager = Engine.from_pretrained(
-        model_dirs["qwen3"], catalog, device="cuda", sid_token_ids=sid_map, cuda_graphs=False
-    )
+    graphed, eager = graphed_and_eager(model_dirs["qwen3"], random_catalog(600, 3, 16, seed=3))
     assert graphed.graphs is not None and eager.graphs is None
     gen = torch.Generator().manual_seed(4)
     for lengths in ((5, 90, 33), (140, 2, 61), (7, 7, 7)):
@@ -117,14 +121,7 @@ def test_pool_growth_recaptures_and_large_batches_run_eagerly(model_dirs, caplog
     from xgr.engine import cuda_graph
 
     monkeypatch.setattr(cuda_graph, "MIN_POOL_TOKENS", 64)
-    catalog = random_catalog(600, 3, 16, seed=6)
-    sid_map = sequential_sid_map(3, 16, 8)
-    engine = Engine.from_pretrained(
-        model_dirs["llama"], catalog, device="cuda", sid_token_ids=sid_map
-    )
-    eager = Engine.from_pretrained(
-        model_dirs["llama"], catalog, device="cuda", sid_token_ids=sid_map, cuda_graphs=False
-    )
+    engine, eager = graphed_and_eager(model_dirs["llama"], random_catalog(600, 3, 16, seed=6))
     engine.graphs.max_requests = 2
     one = [[1, 2, 3]]
     search = dict(beam_width=8, top_k=8, num_results=8)
