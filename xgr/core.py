@@ -46,13 +46,19 @@ class Recommendation:
     title: str | None = None
 
 
+# Widest beam accepted (the beams' KV and score buffers grow linearly with it).
+MAX_BEAM_WIDTH = 4096
+
+
 @dataclass(frozen=True)
 class SearchParams:
     """Beam-search parameters of one request, validated once.
 
     Attributes:
-        beam_width: beams kept after every decode step (>= 1).
-        top_k: candidates each beam contributes per step before the global selection (>= 1).
+        beam_width: beams kept after every decode step (1 .. MAX_BEAM_WIDTH).
+        top_k: candidates each beam contributes per step before the global selection (>= 1);
+            at the first level the single root beam contributes max(top_k, beam_width), so
+            the search always starts from beam_width beams.
         num_results: semantic IDs returned, best first (1 <= num_results <= beam_width).
 
     Raises:
@@ -69,6 +75,8 @@ class SearchParams:
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise XgrError(f"{name} must be an integer >= 1, got {value!r}")
             object.__setattr__(self, name, int(value))  # numpy ints become plain ints
+        if self.beam_width > MAX_BEAM_WIDTH:
+            raise XgrError(f"beam_width must be at most {MAX_BEAM_WIDTH}, got {self.beam_width}")
         if self.num_results > self.beam_width:
             raise XgrError(
                 f"num_results ({self.num_results}) must not exceed beam_width ({self.beam_width})"

@@ -7,7 +7,12 @@ import torch
 
 import xgr.beam.logits as logits_module
 from xgr.beam import BeamState, constrained_beam_step
-from xgr.beam.logits import code_log_probs, full_vocab_logsumexp, level_head_weights
+from xgr.beam.logits import (
+    code_log_probs,
+    distinct_code_mask,
+    full_vocab_logsumexp,
+    level_head_weights,
+)
 from xgr.catalog.trie import build_prefix_trie
 
 
@@ -67,3 +72,30 @@ def test_beam_step_on_code_log_probs_equals_the_vocab_path():
         b = constrained_beam_step(root, code_lp, trie.levels[0], None, 5, top_k)
         for field in ("scores", "nodes", "codes", "parents"):
             torch.testing.assert_close(getattr(a, field), getattr(b, field))
+
+
+def test_distinct_code_mask_drops_unused_out_of_vocab_and_repeated_tokens():
+    ids = torch.tensor([[3, -1, 3, 9, 12], [0, 1, 2, 3, 4]])
+    mask = distinct_code_mask(ids, vocab_size=10)
+    assert mask.tolist() == [[True, False, False, True, False], [True] * 5]
+
+
+def test_masked_codes_get_minus_infinity_and_the_rest_sum_to_one():
+    weight, h = random_head()
+    levels = level_head_weights(weight, torch.tensor([[4, 5, 6, 7]]))
+    mask = torch.tensor([True, False, True, True])
+    got = code_log_probs(h, levels[0], None, mask)
+    assert torch.isinf(got[:, 1]).all()
+    torch.testing.assert_close(got[:, mask].exp().sum(-1), torch.ones(7))
+
+
+def test_bfloat16_code_log_probs_stay_below_zero_when_one_code_dominates():
+    weight, h = random_head(vocab=300, hidden=32)
+    weight[10] = h[0] * 3  # token 10 dominates row 0's distribution
+    levels = level_head_weights(weight.bfloat16(), torch.tensor([[10, 11, 12]]))
+    got = code_log_probs(
+        h.bfloat16(), levels[0], weight.bfloat16(), torch.ones(3, dtype=torch.bool)
+    )
+    assert (got <= 0).all()
+    exact = torch.log_softmax(h.bfloat16().float() @ weight.bfloat16().float().T, -1)[:, 10:13]
+    torch.testing.assert_close(got, exact, atol=0.1, rtol=0)

@@ -102,6 +102,10 @@ def test_top_k_below_beam_width_limits_children(model_dirs):
     (result,) = engine.recommend(random_prompts([8]), beam_width=16, top_k=2, num_results=16)
     first_codes = [codes[0] for codes, _ in result.semantic_ids]
     assert max(first_codes.count(c) for c in set(first_codes)) <= 2
+    # The root alone starts all beams: top_k=1 still gives beam_width results.
+    (result,) = engine.recommend(random_prompts([8]), beam_width=16, top_k=1, num_results=16)
+    assert len(result.semantic_ids) == 16
+    assert len({codes[0] for codes, _ in result.semantic_ids}) == 16
 
 
 def test_exclude_item_ids_skips_and_refills(model_dirs):
@@ -140,6 +144,7 @@ def test_half_precision_agrees_with_float32(model_dirs, dtype):
         (dict(beam_width=0), "beam_width"),
         (dict(top_k=0), "top_k"),
         (dict(num_results=0), "num_results"),
+        (dict(beam_width=4097), "at most 4096"),
     ],
 )
 def test_bad_search_params(model_dirs, kwargs, message):
@@ -276,3 +281,64 @@ def test_bad_devices(model_dirs):
     for device, fragment in [("foo", "unknown device"), ("mps", "not supported")]:
         with pytest.raises(XgrError, match=fragment):
             make_engine(model_dirs, catalog, device=device)
+
+
+@pytest.mark.parametrize(
+    ("exclude", "message"),
+    [(["item1"], "must be a list of item ids, got str"), ([None], "got NoneType")],
+)
+def test_exclude_item_ids_entries_must_be_lists(model_dirs, exclude, message):
+    engine = make_engine(model_dirs, random_catalog(50, 3, 16, seed=9))
+    with pytest.raises(XgrError, match=message):
+        engine.recommend(random_prompts([4]), exclude_item_ids=exclude)
+
+
+def test_exclude_item_ids_as_a_numpy_array(model_dirs):
+    catalog = random_catalog(300, 3, 16, seed=7)
+    engine = make_engine(model_dirs, catalog)
+    prompts = random_prompts([10, 5])
+    first = [r.items[0].item_id for r in engine.recommend(prompts, beam_width=16, top_k=16)]
+    again = engine.recommend(prompts, beam_width=16, top_k=16, exclude_item_ids=np.array([first]).T)
+    assert [r.items[0].item_id for r in again] != first
+    assert all(r.items[0].item_id not in first[i : i + 1] for i, r in enumerate(again))
+
+
+def test_code_only_scores_are_log_softmax_over_each_level_codes(tmp_path):
+    """full_vocab=False: each level normalized over its real code tokens only (-1 = unused)."""
+    hf = write_random_model(tmp_path, "qwen2", seed=5)
+    codes = np.random.default_rng(0).integers(0, 8, (40, 2))
+    catalog = ItemCatalog.from_codes([f"i{i}" for i in range(40)], codes, 16)
+    sid_map = sequential_sid_map(2, 16, OFFSET)
+    sid_map[:, 8:] = -1  # codes 8..15 unused: no token
+    engine = Engine.from_pretrained(
+        tmp_path, catalog=catalog, sid_token_ids=sid_map, full_vocab=False
+    )
+    prompt = [5, 6, 7]
+    (result,) = engine.recommend([prompt], beam_width=64, top_k=64, num_results=30)
+    expected = {}
+    with torch.no_grad():
+        for row in catalog.semantic_ids.tolist():
+            score, tokens = 0.0, list(prompt)
+            for level, code in enumerate(row):
+                logits = hf(torch.tensor([tokens])).logits[0, -1]
+                score += torch.log_softmax(logits[sid_map[level, :8]], -1)[code].item()
+                tokens.append(int(sid_map[level, code]))
+            expected[tuple(row)] = score
+    best = sorted(expected.items(), key=lambda kv: -kv[1])[: len(result.semantic_ids)]
+    assert [c for c, _ in result.semantic_ids] == [c for c, _ in best]
+    np.testing.assert_allclose([s for _, s in result.semantic_ids], [s for _, s in best], atol=1e-4)
+
+
+def test_bfloat16_scores_are_never_positive(tmp_path):
+    write_random_model(tmp_path, "qwen2", seed=0, initializer_range=1.0)
+    catalog = random_catalog(200, 2, 16, seed=1)
+    engine = Engine.from_pretrained(
+        tmp_path, catalog=catalog, dtype="bfloat16", sid_token_ids=sequential_sid_map(2, 16, OFFSET)
+    )
+    results = engine.recommend(
+        [[62, 87, 48, 58, 93, 70], *random_prompts([3, 9, 20], seed=4)],
+        beam_width=8,
+        top_k=8,
+        num_results=8,
+    )
+    assert all(score <= 0 for r in results for _, score in r.semantic_ids)

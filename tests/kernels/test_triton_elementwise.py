@@ -56,8 +56,17 @@ def test_rms_norm_of_heads_normalizes_each_head(dtype):
     assert_close(kernels.rms_norm(q, weight, 1e-5), rms_norm_reference(q, weight, 1e-5), dtype)
 
 
+def test_rms_norm_reads_a_strided_weight_correctly():
+    x, weight = randn(4, 16, dtype=torch.float32), randn(32, dtype=torch.float32)[::2]
+    assert_close(
+        kernels.rms_norm(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6), torch.float32
+    )
+
+
 def test_rms_norm_rejects_bad_arguments():
     x = randn(3, 8, dtype=torch.float32)
+    with pytest.raises(ValueError, match="at least 1"):
+        kernels.rms_norm(randn(3, 0, dtype=torch.float32), randn(0, dtype=torch.float32), 1e-6)
     with pytest.raises(ValueError, match="weight must be"):
         kernels.rms_norm(x, randn(4, dtype=torch.float32), 1e-6)
     with pytest.raises(ValueError, match="residual must match"):

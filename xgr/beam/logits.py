@@ -56,10 +56,36 @@ def full_vocab_logsumexp(hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> 
     return total
 
 
+def distinct_code_mask(sid_token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Which codes are distinct in-vocabulary tokens, per level.
+
+    A code map may give unused codes -1 or an id outside the vocabulary, and two codes the
+    same token; such codes must not count (twice) in a normalizer.
+
+    Args:
+        sid_token_ids: (num_levels, codebook_size) int64 vocabulary id of each code.
+        vocab_size: the model's vocabulary size.
+
+    Returns:
+        (num_levels, codebook_size) bool on the ids' device; True for the first code of each
+        distinct in-vocabulary token of its level.
+    """
+    ids = sid_token_ids.cpu()
+    mask = (ids >= 0) & (ids < vocab_size)
+    for level in range(ids.shape[0]):
+        seen: set[int] = set()
+        for code, token in enumerate(ids[level].tolist()):
+            if mask[level, code] and token in seen:
+                mask[level, code] = False
+            seen.add(token)
+    return mask.to(sid_token_ids.device)
+
+
 def code_log_probs(
     hidden: torch.Tensor,
     level_weight: torch.Tensor,
     lm_head_weight: torch.Tensor | None,
+    code_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Log-probabilities of one level's codes.
 
@@ -69,11 +95,23 @@ def code_log_probs(
         lm_head_weight: (vocab_size, hidden_size) full LM head, to normalize over the whole
             vocabulary (exact next-token log-probabilities); None to normalize over the
             level's codes only (for models whose vocabulary is only semantic-ID codes).
+        code_mask: (codebook_size,) bool, the codes that are distinct in-vocabulary tokens
+            (``distinct_code_mask``); None: all codes.
 
     Returns:
-        (N, codebook_size) float32.
+        (N, codebook_size) float32; -inf for codes outside ``code_mask``. In bf16/fp16 the
+        full-vocabulary normalizer takes the codes' float32 logits in place of their rounded
+        ones (the rest of the vocabulary stays rounded), so no log-probability exceeds 0.
     """
     logits = hidden.float() @ level_weight.T
+    if code_mask is not None:
+        logits = logits.masked_fill(~code_mask, float("-inf"))
     if lm_head_weight is None:
         return torch.log_softmax(logits, dim=-1)
-    return logits - full_vocab_logsumexp(hidden, lm_head_weight)[:, None]
+    lse = full_vocab_logsumexp(hidden, lm_head_weight)
+    if hidden.dtype != torch.float32:
+        # log(sum_all - sum_codes_rounded + sum_codes_float32), computed stably.
+        rounded = torch.logsumexp(logits.to(hidden.dtype).float(), dim=-1)
+        rest = torch.log((1 - torch.exp(rounded - lse)).clamp(min=0)) + lse
+        lse = torch.logaddexp(rest, torch.logsumexp(logits, dim=-1))
+    return logits - lse[:, None]

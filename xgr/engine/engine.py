@@ -252,8 +252,11 @@ class Engine:
         search = SearchParams(beam_width, top_k, 1)  # validated even for no prompts
         params = [SearchParams(search.beam_width, search.top_k, n) for n in num_results]
         tokenized = [self.tokenize(p) for p in prompts]
-        if exclude_item_ids is not None and len(exclude_item_ids) != len(prompts):
-            raise XgrError("exclude_item_ids needs one entry per prompt")
+        excluded = [set()] * len(prompts)
+        if exclude_item_ids is not None:
+            if len(exclude_item_ids) != len(prompts):
+                raise XgrError("exclude_item_ids needs one entry per prompt")
+            excluded = [_item_id_set(ids, i) for i, ids in enumerate(exclude_item_ids)]
         if not tokenized:
             return []
         out = generate_semantic_ids(
@@ -270,8 +273,7 @@ class Engine:
             )
         results = []
         for i, tokens in enumerate(tokenized):
-            excluded = {str(x) for x in exclude_item_ids[i]} if exclude_item_ids else set()
-            result = self._result(sid_index[i], scores[i], params[i].num_results, excluded)
+            result = self._result(sid_index[i], scores[i], params[i].num_results, excluded[i])
             result.prompt_tokens = len(tokens)
             result.prefill_ms, result.decode_ms = out.prefill_ms, out.decode_ms
             results.append(result)
@@ -298,6 +300,19 @@ class Engine:
             result.items.extend(Recommendation(i, score, codes, self.titles.get(i)) for i in items)
             taken += bool(items)
         return result
+
+
+def _item_id_set(ids: Any, index: int) -> set[str]:
+    """One prompt's ``exclude_item_ids`` entry as a set of item-id strings.
+
+    Raises:
+        XgrError: a string (one id must still be in a list) or anything not iterable.
+    """
+    if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
+        raise XgrError(
+            f"exclude_item_ids[{index}] must be a list of item ids, got {type(ids).__name__}"
+        )
+    return {str(x) for x in ids}
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from xgr.beam import BeamState, constrained_beam_step
-from xgr.beam.logits import code_log_probs, level_head_weights
+from xgr.beam.logits import code_log_probs, distinct_code_mask, level_head_weights
 from xgr.catalog.trie import PrefixTrie
 from xgr.kv import BeamKV, SharedKV
 from xgr.layers.attention import DecodeMetadata, PrefillMetadata
@@ -152,6 +152,10 @@ class DecodeSpec:
         sid_token_ids: (num_levels, codebook_size) int64 vocabulary id of each code.
         level_weights: (num_levels, codebook_size, hidden) float32 LM-head rows of each
             level's codes.
+        code_mask: (num_levels, codebook_size) bool, True for the codes that are distinct
+            in-vocabulary tokens: the set each level's scores are normalized over when
+            ``full_vocab`` is False, and whose float32 logits replace their rounded ones in
+            the full-vocabulary normalizer.
         full_vocab: normalize scores over the whole vocabulary (exact log-probabilities);
             False normalizes over each level's codes (vocabularies of codes only).
         attention_backend: "torch" (reference) or "triton" (GPU kernel) decode attention.
@@ -161,6 +165,7 @@ class DecodeSpec:
     trie: PrefixTrie
     sid_token_ids: torch.Tensor
     level_weights: torch.Tensor
+    code_mask: torch.Tensor
     full_vocab: bool = True
     attention_backend: str = "torch"
 
@@ -174,12 +179,13 @@ class DecodeSpec:
         attention_backend: str = "torch",
     ) -> DecodeSpec:
         weights = level_head_weights(model.lm_head.weight.detach(), sid_token_ids)
-        return cls(model, trie, sid_token_ids, weights, full_vocab, attention_backend)
+        mask = distinct_code_mask(sid_token_ids, model.config.vocab_size)
+        return cls(model, trie, sid_token_ids, weights, mask, full_vocab, attention_backend)
 
     def log_probs(self, hidden: torch.Tensor, level: int) -> torch.Tensor:
         """(N, hidden) -> (N, codebook_size) float32 log-probabilities of the level's codes."""
         full = self.model.lm_head.weight if self.full_vocab else None
-        return code_log_probs(hidden, self.level_weights[level], full)
+        return code_log_probs(hidden, self.level_weights[level], full, self.code_mask[level])
 
 
 def decode_levels(
@@ -208,13 +214,14 @@ def decode_levels(
     cfg = spec.model.config
     device = last_hidden.device
     num_requests, num_levels = last_hidden.shape[0], len(spec.trie.levels)
+    # The root is every beam's common parent: it alone supplies the first beam_width beams.
     state = constrained_beam_step(
         BeamState.root(num_requests, device),
         spec.log_probs(last_hidden, 0)[:, None, :],
         spec.trie.levels[0],
         None,
         beam_width,
-        top_k,
+        max(top_k, beam_width),
     )
     beam = BeamKV.allocate(
         cfg.num_layers,

@@ -130,7 +130,7 @@ def gather_selected(
         nodes, codes, parents: (R, keep) int64 each; node and code 0 for dead beams.
     """
     num_requests, keep = flat.shape
-    prev_beams = nodes.shape[0] // num_requests
+    prev_beams = nodes.shape[0] // max(num_requests, 1)
     out = [torch.empty_like(flat) for _ in range(3)]
     dense = level.child_table is not None
     table = level.child_table if dense else level.row_ptr

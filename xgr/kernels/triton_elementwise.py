@@ -57,8 +57,13 @@ def rms_norm(
         ValueError: mismatched shapes, dtypes, or a non-contiguous last dimension.
     """
     dim = x.shape[-1]
+    if dim == 0:
+        raise ValueError("rms_norm needs a last dimension of at least 1")
     if weight.shape != (dim,) or weight.dtype != x.dtype:
-        raise ValueError(f"weight must be ({dim},) {x.dtype}, got {tuple(weight.shape)}")
+        raise ValueError(
+            f"weight must be ({dim},) {x.dtype}, got {tuple(weight.shape)} {weight.dtype}"
+        )
+    weight = weight.contiguous()
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError("residual must match x in shape and dtype")
     x2 = x.reshape(-1, dim)
@@ -164,8 +169,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         or sin.shape != cos.shape
     ):
         raise ValueError(f"x {tuple(x.shape)} and tables {tuple(cos.shape)} do not fit")
-    if x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride() != cos.stride():
+    if x.stride(-1) != 1 or cos.stride(-1) != 1:
         raise ValueError("x and the tables need a contiguous last dimension")
+    if sin.stride() != cos.stride():
+        raise ValueError(f"cos and sin need the same strides, got {cos.stride()}, {sin.stride()}")
     out = torch.empty(tokens, heads, head_dim, dtype=x.dtype, device=x.device)
     if tokens:
         _rope_kernel[(tokens * heads,)](
