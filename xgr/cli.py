@@ -251,6 +251,13 @@ def evaluate(source, k, beam_width, max_users, output) -> None:
 )
 @click.option("--max-batch-size", default=32, show_default=True, help="Requests per engine call.")
 @click.option("--max-body-bytes", default=1 << 20, show_default=True)
+@click.option(
+    "--max-batch-tokens",
+    default=1 << 20,
+    show_default=True,
+    help="Scheduled tokens (prompt + beam width x levels) per engine call.",
+)
+@click.option("--max-queue", default=4096, show_default=True, help="Waiting requests (then 429).")
 def serve(
     source,
     host,
@@ -259,6 +266,8 @@ def serve(
     default_beam_width,
     max_batch_size,
     max_body_bytes,
+    max_batch_tokens,
+    max_queue,
 ) -> None:
     """Serve the HTTP API: recommend, completions, models, health, ready, metrics."""
     import uvicorn
@@ -267,7 +276,14 @@ def serve(
     from xgr.server.config import ServerConfig
 
     try:
-        config = ServerConfig(max_beam_width, default_beam_width, max_batch_size, max_body_bytes)
+        config = ServerConfig(
+            max_beam_width,
+            default_beam_width,
+            max_batch_size,
+            max_body_bytes,
+            max_batch_tokens,
+            max_queue,
+        )
     except XgrError as exc:
         _fail(exc)
     engine = source.load()

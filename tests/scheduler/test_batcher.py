@@ -9,7 +9,14 @@ import time
 import pytest
 
 from xgr.core import RecommendResult, XgrError
-from xgr.scheduler import DeadlineExceededError, QueuedRequest, RequestBatcher, ServingMetrics
+from xgr.scheduler import (
+    DeadlineExceededError,
+    QueuedRequest,
+    QueueFullError,
+    RequestBatcher,
+    ServingMetrics,
+    ShuttingDownError,
+)
 
 
 class RecordingEngine:
@@ -147,3 +154,150 @@ def test_submit_needs_a_running_batcher():
         asyncio.run(scenario())
     with pytest.raises(XgrError, match="max_batch_size"):
         RequestBatcher(RecordingEngine(), max_batch_size=0)
+
+
+def held_batcher(engine, **kwargs):
+    """A started batcher whose engine holds its first call until ``engine.release`` is set."""
+    batcher = RequestBatcher(engine, **kwargs)
+    batcher.start()
+    engine.release.clear()
+    return batcher
+
+
+def test_token_budget_limits_a_batch():
+    engine = RecordingEngine()
+
+    async def scenario():
+        # Each request costs 3 prompt tokens + 8 beams x 1 level = 11 tokens.
+        batcher = held_batcher(engine, max_batch_size=16, max_batch_tokens=30)
+        pending = asyncio.ensure_future(run_concurrently(batcher, [request(i) for i in range(5)]))
+        await asyncio.sleep(0.05)
+        engine.release.set()
+        await pending
+        await batcher.stop()
+
+    asyncio.run(scenario())
+    assert [len(c[0]) for c in engine.calls] == [2, 2, 1]  # at most 30 tokens a call
+
+
+def test_batch_shrinks_so_the_oldest_deadline_is_met():
+    engine = RecordingEngine()
+
+    async def scenario():
+        batcher = held_batcher(engine, max_batch_size=16)
+        batcher.latency.seconds_per_token = 0.01  # 11 tokens a request: 0.11 s each
+        first = asyncio.ensure_future(batcher.submit(request(0)))
+        await asyncio.sleep(0.02)
+        deadline = time.perf_counter() + 0.4
+        rest = [request(i, deadline=deadline if i == 1 else None) for i in range(1, 6)]
+        pending = asyncio.ensure_future(run_concurrently(batcher, rest))
+        await asyncio.sleep(0.02)
+        batcher.latency.weight = 0.0  # keep the prediction fixed for the test
+        engine.release.set()
+        answers = [await first, *(await pending)]
+        await batcher.stop()
+        return answers
+
+    answers = asyncio.run(scenario())
+    assert all(not isinstance(a, Exception) for a in answers)
+    # Request 1's deadline leaves room for 3 requests (0.33 s < 0.4 s), not 5.
+    assert [len(c[0]) for c in engine.calls] == [1, 3, 2]
+
+
+def test_a_deadline_that_cannot_be_met_is_refused_at_admission():
+    engine = RecordingEngine()
+
+    async def scenario():
+        batcher = held_batcher(engine)
+        batcher.latency.seconds_per_token = 0.01
+        held = asyncio.ensure_future(run_concurrently(batcher, [request(i) for i in range(5)]))
+        await asyncio.sleep(0.05)
+        started = time.perf_counter()
+        with pytest.raises(DeadlineExceededError, match="cannot be met"):
+            await batcher.submit(request(9, deadline=time.perf_counter() + 0.05))
+        refused_in = time.perf_counter() - started
+        engine.release.set()
+        await held
+        await batcher.stop()
+        return refused_in
+
+    assert asyncio.run(scenario()) < 0.05  # said at once, not after waiting
+    assert 9 not in [p[0] for c in engine.calls for p in c[0]]
+
+
+def test_full_queue_is_refused_with_a_retry_time():
+    engine = RecordingEngine()
+
+    async def scenario():
+        batcher = held_batcher(engine, max_queue=3)
+        batcher.latency.seconds_per_token = 0.2
+        first = asyncio.ensure_future(batcher.submit(request(0)))
+        await asyncio.sleep(0.02)  # running, held
+        held = asyncio.ensure_future(run_concurrently(batcher, [request(i) for i in range(1, 4)]))
+        await asyncio.sleep(0.02)  # three waiting
+        with pytest.raises(QueueFullError) as refused:
+            await batcher.submit(request(9))
+        engine.release.set()
+        answers = [await first, *(await held)]
+        await batcher.stop()
+        return refused.value.retry_after, answers
+
+    retry_after, answers = asyncio.run(scenario())
+    assert retry_after == 7  # 3 waiting x 11 tokens x 0.2 s, rounded up
+    assert all(not isinstance(a, Exception) for a in answers)
+
+
+def test_a_withdrawn_request_never_reaches_the_engine():
+    engine = RecordingEngine()
+
+    async def scenario():
+        batcher = held_batcher(engine)
+        first = asyncio.ensure_future(batcher.submit(request(0)))
+        await asyncio.sleep(0.02)
+        gone = asyncio.ensure_future(batcher.submit(request(1)))
+        stays = asyncio.ensure_future(batcher.submit(request(2)))
+        await asyncio.sleep(0.02)
+        gone.cancel()  # the client disconnected while waiting
+        engine.release.set()
+        await first, await stays
+        await batcher.stop()
+
+    asyncio.run(scenario())
+    assert [p[0] for c in engine.calls for p in c[0]] == [0, 2]
+
+
+def test_drain_finishes_every_admitted_request_and_then_refuses():
+    engine = RecordingEngine(delay=0.01)
+
+    async def scenario():
+        batcher = held_batcher(engine, max_batch_size=4)
+        pending = asyncio.ensure_future(run_concurrently(batcher, [request(i) for i in range(10)]))
+        await asyncio.sleep(0.02)
+        stopping = asyncio.ensure_future(batcher.stop(drain=True))
+        await asyncio.sleep(0.02)
+        with pytest.raises(ShuttingDownError):
+            await batcher.submit(request(99))
+        engine.release.set()
+        await stopping
+        return await pending
+
+    answers = asyncio.run(scenario())
+    assert [a.result.prompt_tokens for a in answers] == [3] * 10
+
+
+def test_a_burst_of_500_is_answered_once_each():
+    engine = RecordingEngine()
+
+    async def scenario():
+        batcher = RequestBatcher(engine, max_batch_size=32)
+        batcher.start()
+        burst = [QueuedRequest([i] * (1 + i % 7), 8 if i % 3 else 16, 8, 3) for i in range(500)]
+        answers = await run_concurrently(batcher, burst)
+        await batcher.stop()
+        return burst, answers
+
+    burst, answers = asyncio.run(scenario())
+    assert [a.result.prompt_tokens for a in answers] == [len(r.prompt) for r in burst]
+    served = [p[0] for c in engine.calls for p in c[0]]
+    assert sorted(served) == list(range(500))  # every request once, none twice
+    assert all(len(c[0]) <= 32 for c in engine.calls)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import signal
+import time
 
 import httpx
 import numpy as np
@@ -93,3 +95,91 @@ def test_client_returns_engine_results(base_url, engine):
         )
         with pytest.raises(ServerError, match="HTTP 400: unknown items in history: 'nope'"):
             client.recommend(["nope"])
+
+
+class HeldEngine:
+    """An engine whose ``recommend`` waits for ``release`` (everything else delegates)."""
+
+    def __init__(self, engine):
+        import threading
+
+        self._engine = engine
+        self.release = threading.Event()
+        self.release.set()
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def recommend(self, *args, **kwargs):
+        self.release.wait(30)
+        return self._engine.recommend(*args, **kwargs)
+
+
+def test_full_queue_answers_429_with_retry_after(engine):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from xgr.server.config import ServerConfig
+
+    held = HeldEngine(engine)
+    app = create_app(held, ServerConfig(max_batch_size=1, max_queue=1))
+    history = {"history": engine.catalog.item_ids[:3], "beam_width": 8, "num_results": 4}
+    with live_server(app) as url, ThreadPoolExecutor(4) as pool:
+        held.release.clear()
+        running = pool.submit(httpx.post, f"{url}/v1/recommend", json=history, timeout=30)
+        time.sleep(0.3)  # taken into the (held) batch
+        waiting = pool.submit(httpx.post, f"{url}/v1/recommend", json=history, timeout=30)
+        time.sleep(0.3)  # the one waiting place is taken
+        refused = httpx.post(f"{url}/v1/recommend", json=history, timeout=30)
+        held.release.set()
+        assert refused.status_code == 429
+        assert int(refused.headers["Retry-After"]) >= 1
+        assert "waiting" in refused.json()["error"]
+        assert running.result().status_code == waiting.result().status_code == 200
+
+
+def test_sigterm_finishes_admitted_requests(served_model_dir):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "xgr.cli", "serve", "--model", str(served_model_dir),
+         "--port", str(port), "--max-batch-size", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        else:
+            raise AssertionError("server did not start")
+        catalog = Engine.from_pretrained(served_model_dir).catalog
+        bodies = [{**b, "beam_width": 256} for b in random_requests(catalog, 40, seed=5)]
+
+        async def send_all():
+            async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+                tasks = [
+                    asyncio.ensure_future(client.post("/v1/recommend", json=b)) for b in bodies
+                ]
+                await asyncio.sleep(0.3)  # all sent and queued: one request per batch
+                server.send_signal(signal.SIGTERM)
+                return await asyncio.gather(*tasks, return_exceptions=True)
+
+        started = time.monotonic()
+        answers = asyncio.run(send_all())
+        assert [getattr(a, "status_code", a) for a in answers] == [200] * len(bodies)
+        assert time.monotonic() - started > 0.5  # work was still queued at the signal
+        # uvicorn shuts down gracefully, then re-raises the signal as its exit status.
+        assert server.wait(60) in (0, -signal.SIGTERM)
+        assert b"Finished server process" in server.stderr.read()
+    finally:
+        if server.poll() is None:
+            server.kill()

@@ -1,6 +1,23 @@
-"""Request scheduling: the batching queue and serving metrics."""
+"""Request scheduling: batches by token budget, size and deadlines; serving metrics."""
 
-from xgr.scheduler.batcher import Answer, DeadlineExceededError, QueuedRequest, RequestBatcher
+from xgr.scheduler.batcher import (
+    Answer,
+    DeadlineExceededError,
+    LatencyModel,
+    QueuedRequest,
+    QueueFullError,
+    RequestBatcher,
+    ShuttingDownError,
+)
 from xgr.scheduler.metrics import ServingMetrics
 
-__all__ = ["Answer", "DeadlineExceededError", "QueuedRequest", "RequestBatcher", "ServingMetrics"]
+__all__ = [
+    "Answer",
+    "DeadlineExceededError",
+    "LatencyModel",
+    "QueueFullError",
+    "QueuedRequest",
+    "RequestBatcher",
+    "ServingMetrics",
+    "ShuttingDownError",
+]

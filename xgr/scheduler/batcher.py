@@ -1,15 +1,28 @@
-"""A simple request queue that runs concurrent requests as one engine call.
+"""The request scheduler: fixed-step batches formed by token budget, size and deadlines.
 
-Requests that arrive while the engine is busy wait in the queue; when it is free, every
-waiting request (up to ``max_batch_size``) forms the next batch. Requests of one batch with
-different beam widths or top-k run as separate engine calls, one after the other.
+Requests wait in arrival order. When the engine is free, the next batch takes the oldest
+request and, in arrival order, the waiting requests with the same beam width and top-k, while
+
+- the batch has at most ``max_batch_size`` requests,
+- its scheduled tokens (prompt tokens + beam width x levels per request) fit
+  ``max_batch_tokens``, and
+- the batch's predicted run time still lets its earliest deadline be met: the batch shrinks
+  (newest requests return to the queue) until it does.
+
+A batch runs all its decode steps together (fixed-step: no re-batching between steps). Run
+times are predicted from the measured seconds per scheduled token (an exponentially weighted
+average over past batches). Requests whose deadline cannot be met even alone are refused
+before any work is spent on them: at admission, from the predicted wait, and again when a
+batch is formed. The queue is bounded (``QueueFullError``, answered 429 with Retry-After);
+a request whose client went away is dropped before its batch starts; ``stop(drain=True)``
+finishes every admitted request before the loop ends.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +34,44 @@ FINISHED_REASON = "length"
 
 
 class DeadlineExceededError(XgrError):
-    """The request's deadline passed before its batch could start (the server answers 504)."""
+    """The request's deadline passed, or cannot be met, before its batch starts (504)."""
+
+
+class QueueFullError(XgrError):
+    """The queue holds ``max_queue`` requests (429); ``retry_after`` in seconds (>= 1)."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class ShuttingDownError(XgrError):
+    """The scheduler is draining or stopped and admits no new request (503)."""
+
+
+@dataclass
+class LatencyModel:
+    """Predicted batch run time from measured seconds per scheduled token.
+
+    Attributes:
+        seconds_per_token: exponentially weighted average over past batches; None until the
+            first batch has run (no prediction, no deadline refusals before then).
+        weight: weight of the newest batch in the average.
+    """
+
+    seconds_per_token: float | None = None
+    weight: float = 0.3
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        rate = seconds / max(tokens, 1)
+        if self.seconds_per_token is None:
+            self.seconds_per_token = rate
+        else:
+            self.seconds_per_token += self.weight * (rate - self.seconds_per_token)
+
+    def predict(self, tokens: int) -> float:
+        """Seconds for a batch of ``tokens`` scheduled tokens; 0 before any measurement."""
+        return 0.0 if self.seconds_per_token is None else self.seconds_per_token * tokens
 
 
 @dataclass
@@ -56,34 +106,76 @@ class Answer:
 
 
 class RequestBatcher:
-    """Batches concurrent requests into ``engine.recommend`` calls, run in a worker thread.
+    """Schedules concurrent requests into ``engine.recommend`` calls, run in a worker thread.
 
     Args:
-        engine: an ``xgr.Engine``.
+        engine: an ``xgr.Engine`` (anything with its ``recommend`` signature).
         max_batch_size: most requests per engine call.
         metrics: where queue, batch and latency figures go (optional).
+        max_batch_tokens: most scheduled tokens (prompt + beam width x levels) per call; a
+            single larger request still runs, alone.
+        max_queue: most requests waiting; more are refused with ``QueueFullError``.
+
+    Raises:
+        XgrError: a limit below 1.
     """
 
     def __init__(
-        self, engine: Any, max_batch_size: int = 32, metrics: ServingMetrics | None = None
+        self,
+        engine: Any,
+        max_batch_size: int = 32,
+        metrics: ServingMetrics | None = None,
+        max_batch_tokens: int = 1 << 20,
+        max_queue: int = 4096,
     ) -> None:
-        if max_batch_size < 1:
-            raise XgrError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        for name, value in (
+            ("max_batch_size", max_batch_size),
+            ("max_batch_tokens", max_batch_tokens),
+            ("max_queue", max_queue),
+        ):
+            if value < 1:
+                raise XgrError(f"{name} must be >= 1, got {value}")
         self.engine = engine
         self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
+        self.max_queue = max_queue
         self.metrics = metrics
-        self._queue: asyncio.Queue[QueuedRequest] = asyncio.Queue()
+        catalog = getattr(engine, "catalog", None)
+        self.levels = catalog.num_levels if catalog is not None else 1
+        self.latency = LatencyModel()
+        self._waiting: list[QueuedRequest] = []
+        self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._running = 0
         self._batch: list[QueuedRequest] = []  # taken from the queue, not all answered yet
+        self._closing = False
+
+    def cost(self, request: QueuedRequest) -> int:
+        """Scheduled tokens of a request: its prompt plus one token per beam and level."""
+        return len(request.prompt) + request.beam_width * self.levels
 
     def start(self) -> None:
-        """Start the batching loop on the running event loop."""
+        """Start the scheduling loop on the running event loop."""
         if self._task is None:
+            self._wakeup = asyncio.Event()
+            self._closing = False
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
-    async def stop(self) -> None:
-        """Stop the loop; requests not yet answered fail with an error rather than hang."""
+    async def stop(self, drain: bool = False, timeout: float = 60.0) -> None:
+        """Stop admitting requests and end the loop.
+
+        Args:
+            drain: first finish every admitted request (waiting or running), for at most
+                ``timeout`` seconds; otherwise they fail at once.
+            timeout: seconds to wait for the drain.
+
+        Requests still unanswered at the end fail with ``ShuttingDownError``, never hang.
+        """
+        self._closing = True
+        if drain and self._task is not None:
+            end = time.perf_counter() + timeout
+            while (self._waiting or self._batch) and time.perf_counter() < end:
+                await asyncio.sleep(0.01)
         if self._task is not None:
             self._task.cancel()
             try:
@@ -91,55 +183,107 @@ class RequestBatcher:
             except asyncio.CancelledError:
                 pass
             self._task = None
-        unanswered = list(self._batch)
-        while not self._queue.empty():
-            unanswered.append(self._queue.get_nowait())
-        for request in unanswered:
+        for request in [*self._batch, *self._waiting]:
             if not request.future.done():
-                request.future.set_exception(XgrError("the server is shutting down"))
-        self._batch = []
+                request.future.set_exception(ShuttingDownError("the server is shutting down"))
+        self._batch, self._waiting = [], []
 
     async def submit(self, request: QueuedRequest) -> Answer:
         """Queue a request and wait for its answer.
 
+        Cancelling the awaiting task (a client that went away) withdraws the request if its
+        batch has not started.
+
         Raises:
-            DeadlineExceededError: its deadline passed before its batch started.
+            DeadlineExceededError: its deadline passed, or cannot be met, before it started.
+            QueueFullError: ``max_queue`` requests are already waiting.
+            ShuttingDownError: the scheduler is stopping or not running.
             XgrError: the engine refused it.
         """
-        if self._task is None:
-            raise XgrError("the batcher is not running")
+        if self._task is None or self._closing:
+            raise ShuttingDownError("the scheduler is not running")
+        if len(self._waiting) >= self.max_queue:
+            backlog = sum(self.cost(r) for r in self._waiting)
+            retry = max(1, math.ceil(self.latency.predict(backlog)))
+            raise QueueFullError(f"{len(self._waiting)} requests are waiting", retry)
+        if request.deadline is not None:
+            backlog = sum(self.cost(r) for r in self._waiting) + self.cost(request)
+            predicted = time.perf_counter() + self.latency.predict(backlog)
+            if predicted > request.deadline:
+                late_ms = (predicted - request.deadline) * 1e3
+                raise DeadlineExceededError(
+                    f"the deadline cannot be met: the queue ahead needs {late_ms:.0f} ms more"
+                )
         request.future = asyncio.get_running_loop().create_future()
-        await self._queue.put(request)
+        self._waiting.append(request)
+        self._wakeup.set()
         self._report_load()
-        return await request.future
+        try:
+            return await request.future
+        except asyncio.CancelledError:
+            request.future.cancel()
+            if request in self._waiting:
+                self._waiting.remove(request)
+                self._report_load()
+            raise
+
+    def _next_batch(self) -> list[QueuedRequest]:
+        """Take the next batch from the queue (see the module docstring); may be empty."""
+        now = time.perf_counter()
+        kept = []
+        for request in self._waiting:
+            if request.future.done():  # withdrawn
+                continue
+            if request.deadline is not None:
+                alone = now + self.latency.predict(self.cost(request))
+                if now > request.deadline or alone > request.deadline:
+                    waited_ms = (now - request.arrived) * 1e3
+                    request.future.set_exception(
+                        DeadlineExceededError(
+                            f"deadline cannot be met after {waited_ms:.0f} ms in the queue"
+                        )
+                    )
+                    continue
+            kept.append(request)
+        self._waiting = kept
+        if not kept:
+            return []
+        key = (kept[0].beam_width, kept[0].top_k)
+        batch, tokens = [], 0
+        for request in kept:
+            if len(batch) == self.max_batch_size:
+                break
+            if (request.beam_width, request.top_k) != key:
+                continue
+            cost = self.cost(request)
+            if batch and tokens + cost > self.max_batch_tokens:
+                break  # first in, first served: no younger request jumps ahead
+            batch.append(request)
+            tokens += cost
+        while len(batch) > 1:
+            deadlines = [r.deadline for r in batch if r.deadline is not None]
+            if not deadlines or now + self.latency.predict(tokens) <= min(deadlines):
+                break
+            tokens -= self.cost(batch.pop())  # the newest waits for the next batch
+        taken = set(map(id, batch))
+        self._waiting = [r for r in kept if id(r) not in taken]
+        return batch
 
     async def _loop(self) -> None:
         while True:
-            self._batch = batch = [await self._queue.get()]
-            while len(batch) < self.max_batch_size and not self._queue.empty():
-                batch.append(self._queue.get_nowait())
-            groups: dict[tuple[int, int], list[QueuedRequest]] = defaultdict(list)
-            for request in batch:
-                groups[(request.beam_width, request.top_k)].append(request)
-            for (beam_width, top_k), group in groups.items():
-                await self._run(group, beam_width, top_k)
+            if not self._waiting:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            self._batch = batch = self._next_batch()
+            if batch:
+                await self._run(batch, batch[0].beam_width, batch[0].top_k)
             self._batch = []
 
     async def _run(self, group: list[QueuedRequest], beam_width: int, top_k: int) -> None:
-        started = time.perf_counter()
-        live = []
-        for request in group:
-            if request.future.done():  # the client went away
-                continue
-            if request.deadline is not None and started > request.deadline:
-                waited_ms = (started - request.arrived) * 1e3
-                request.future.set_exception(
-                    DeadlineExceededError(f"deadline passed after {waited_ms:.0f} ms in the queue")
-                )
-                continue
-            live.append(request)
+        live = [r for r in group if not r.future.done()]  # the client may have gone
         if not live:
             return
+        started = time.perf_counter()
         self._running = len(live)
         self._report_load()
         if self.metrics:
@@ -162,6 +306,7 @@ class RequestBatcher:
             self._running = 0
             self._report_load()
         finished = time.perf_counter()
+        self.latency.observe(sum(self.cost(r) for r in live), finished - started)
         for request, result in zip(live, results, strict=True):
             times = RequestTimes(
                 queue=started - request.arrived,
@@ -176,4 +321,4 @@ class RequestBatcher:
 
     def _report_load(self) -> None:
         if self.metrics:
-            self.metrics.set_load(self._running, self._queue.qsize())
+            self.metrics.set_load(self._running, len(self._waiting))

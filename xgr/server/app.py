@@ -3,7 +3,10 @@
 Routes: ``POST /v1/recommend``, ``POST /v1/completions`` (OpenAI shape), ``GET /v1/models``,
 ``GET /health`` (liveness), ``GET /ready`` (200 once a warm-up generation has run),
 ``GET /metrics`` (Prometheus). Errors: 400 bad input, 404 unknown model, 413 body or prompt
-too long, 422 body not matching the schema, 504 deadline passed before the batch started.
+too long, 422 body not matching the schema, 429 queue full (with Retry-After), 503 shutting
+down, 504 deadline passed or cannot be met before the batch starts. A request whose client
+disconnects is withdrawn from the queue; on shutdown (SIGTERM under uvicorn) admitted
+requests are finished first.
 """
 
 from __future__ import annotations
@@ -23,7 +26,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from xgr.catalog import resolve_history
 from xgr.core import PromptTooLongError, SearchParams, XgrError
 from xgr.engine import Engine
-from xgr.scheduler import DeadlineExceededError, QueuedRequest, RequestBatcher, ServingMetrics
+from xgr.scheduler import (
+    DeadlineExceededError,
+    QueuedRequest,
+    QueueFullError,
+    RequestBatcher,
+    ServingMetrics,
+    ShuttingDownError,
+)
 from xgr.server.completions import completion_prompts, completion_response
 from xgr.server.config import BodySizeLimit, ServerConfig
 from xgr.server.schemas import (
@@ -52,9 +62,19 @@ POST_ERRORS: dict[int | str, dict[str, Any]] = {
     400: _error("Invalid request: the message says what and where."),
     413: _error("Request body or prompt too long."),
     422: _error("Body does not match the schema."),
-    504: _error("The deadline passed before the request could start."),
+    429: _error("The queue is full; retry after the Retry-After header's seconds."),
+    503: _error("The server is shutting down."),
+    504: _error("The deadline passed, or cannot be met, before the request could start."),
 }
-STATUS_OF = {ModelNotFoundError: 404, PromptTooLongError: 413, DeadlineExceededError: 504}
+STATUS_OF = {
+    ModelNotFoundError: 404,
+    PromptTooLongError: 413,
+    QueueFullError: 429,
+    ShuttingDownError: 503,
+    DeadlineExceededError: 504,
+}
+# How often a waiting request checks whether its client is still connected (seconds).
+DISCONNECT_POLL_S = 0.05
 
 
 def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
@@ -66,7 +86,9 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     """
     config = config or ServerConfig()
     metrics = ServingMetrics(engine.name)
-    batcher = RequestBatcher(engine, config.max_batch_size, metrics)
+    batcher = RequestBatcher(
+        engine, config.max_batch_size, metrics, config.max_batch_tokens, config.max_queue
+    )
     state = {"ready": False, "started": int(time.time())}
 
     @asynccontextmanager
@@ -79,7 +101,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         state["ready"] = True
         yield
         state["ready"] = False
-        await batcher.stop()
+        await batcher.stop(drain=True)  # uvicorn has stopped accepting: finish what came in
 
     app = FastAPI(
         title="xgr",
@@ -91,7 +113,19 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     @app.exception_handler(XgrError)
     async def bad_input(_: Request, exc: XgrError) -> JSONResponse:
         status = next((s for cls, s in STATUS_OF.items() if isinstance(exc, cls)), 400)
-        return JSONResponse(status_code=status, content={"error": str(exc)})
+        headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, QueueFullError) else None
+        return JSONResponse(status_code=status, content={"error": str(exc)}, headers=headers)
+
+    async def answer_unless_disconnected(request: Request, queued: QueuedRequest):
+        """The batcher's answer, or None once the client has gone (the request is withdrawn)."""
+        task = asyncio.ensure_future(batcher.submit(queued))
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                return None
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -151,7 +185,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         return ModelList(data=[card])
 
     @app.post("/v1/recommend", response_model=RecommendResponse, responses=POST_ERRORS)
-    async def recommend(body: RecommendRequest) -> RecommendResponse:
+    async def recommend(body: RecommendRequest, http_request: Request) -> Any:
         arrived = time.perf_counter()
         top_k = body.top_k or body.beam_width
         check_search(body.beam_width, top_k, body.num_results)
@@ -163,7 +197,8 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
         history, prompt = await asyncio.to_thread(prepare)
         deadline = arrived + body.deadline_ms / 1e3 if body.deadline_ms else None
-        answer = await batcher.submit(
+        answer = await answer_unless_disconnected(
+            http_request,
             QueuedRequest(
                 prompt,
                 body.beam_width,
@@ -172,8 +207,10 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
                 frozenset(history.excluded if body.exclude_history else ()),
                 deadline,
                 arrived,
-            )
+            ),
         )
+        if answer is None:  # nobody is listening
+            return Response(status_code=499)
         result, times = answer.result, answer.times
         return RecommendResponse(
             request_id=body.request_id or uuid.uuid4().hex,

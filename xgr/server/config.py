@@ -18,15 +18,20 @@ class ServerConfig:
         default_beam_width: beam width of completions that name none.
         max_batch_size: most requests per engine call.
         max_body_bytes: largest request body accepted (larger: 413).
+        max_batch_tokens: most scheduled tokens (prompt + beam width x levels) per call.
+        max_queue: most requests waiting for a batch (more: 429).
     """
 
     max_beam_width: int = 512
     default_beam_width: int = 64
     max_batch_size: int = 32
     max_body_bytes: int = 1 << 20
+    max_batch_tokens: int = 1 << 20
+    max_queue: int = 4096
 
     def __post_init__(self) -> None:
-        for name in ("max_beam_width", "default_beam_width", "max_batch_size", "max_body_bytes"):
+        names = ("max_beam_width", "default_beam_width", "max_batch_size", "max_body_bytes")
+        for name in (*names, "max_batch_tokens", "max_queue"):
             if getattr(self, name) < 1:
                 raise XgrError(f"ServerConfig.{name} must be >= 1")
         if self.default_beam_width > self.max_beam_width:
