@@ -49,6 +49,18 @@ class ModelSource:
         except XgrError as exc:
             _fail(exc)
 
+    def catalog(self):
+        """The catalog alone (``--catalog``, else the model folder's), without the model."""
+        from xgr import ItemCatalog
+        from xgr.engine.engine import DEFAULT_CATALOG_FILE
+
+        try:
+            return ItemCatalog.from_index_json(
+                self.catalog_path or self.folder() / DEFAULT_CATALOG_FILE
+            )
+        except XgrError as exc:
+            _fail(exc)
+
     def load(self):
         """The ``xgr.Engine`` of this source; a clear error instead of a traceback."""
         from xgr import Engine, ItemCatalog
@@ -288,6 +300,100 @@ def serve(
         _fail(exc)
     engine = source.load()
     uvicorn.run(create_app(engine, config), host=host, port=port)
+
+
+@main.group()
+def bench() -> None:
+    """Benchmarks of a running service."""
+
+
+@bench.command("serve")
+@_engine_options
+@click.option("--url", default=None, help="A running `xgr serve` (default: the engine in-process).")
+@click.option("--rate", "rates", type=float, multiple=True, help="Open-loop Poisson rate (req/s).")
+@click.option("--concurrency", "concurrencies", type=int, multiple=True, help="Fixed clients.")
+@click.option("--duration", default=10.0, show_default=True, help="Seconds per load level.")
+@click.option("--history-len", default=20, show_default=True, help="Items per random history.")
+@click.option("--beam-width", default=64, show_default=True)
+@click.option("--num-results", default=10, show_default=True)
+@click.option("--deadline-ms", default=None, type=int, help="Per-request deadline.")
+@click.option("--max-batch-size", default=32, show_default=True, help="In-process only.")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Latency-vs-throughput PNG (default: OUTPUT with .png).",
+)
+def bench_serve(
+    source,
+    url,
+    rates,
+    concurrencies,
+    duration,
+    history_len,
+    beam_width,
+    num_results,
+    deadline_ms,
+    max_batch_size,
+    seed,
+    output,
+    plot_path,
+) -> None:
+    """Load levels (Poisson rates and/or fixed concurrency) -> P50/P95/P99, throughput, errors.
+
+    Histories are random items of the model's catalog. Writes JSON to OUTPUT and a PNG plot;
+    prints one line per level.
+    """
+    import asyncio
+
+    from xgr.bench import serve as bench
+
+    if not rates and not concurrencies:
+        raise click.UsageError("give at least one --rate or --concurrency")
+    if not source.given:
+        raise click.UsageError("give --demo or --model (its catalog supplies the histories)")
+    try:
+        if url is None:
+            engine = source.load()
+            histories = bench.history_sampler(engine.catalog.item_ids, history_len, seed)
+            coroutine = bench.bench_in_process(
+                engine, histories, beam_width, num_results, deadline_ms, rates,
+                concurrencies, duration, max_batch_size,
+            )  # fmt: skip
+        else:
+            histories = bench.history_sampler(source.catalog().item_ids, history_len, seed)
+            coroutine = bench.bench_http(
+                url, histories, beam_width, num_results, deadline_ms, rates, concurrencies,
+                duration,
+            )  # fmt: skip
+        points = asyncio.run(coroutine)
+    except XgrError as exc:
+        _fail(exc)
+    settings = {
+        "target": url or "in-process",
+        "beam_width": beam_width,
+        "num_results": num_results,
+        "history_len": history_len,
+        "duration_s": duration,
+        "deadline_ms": deadline_ms,
+    }
+    report = bench.write_report(points, settings, output)
+    plot_path = plot_path or output.with_suffix(".png")
+    bench.plot(points, plot_path, f"xgr, beam width {beam_width} ({settings['target']})")
+    for p in points:
+        p99 = f"{p.p99_ms:.1f}" if p.p99_ms is not None else "-"
+        p50 = f"{p.p50_ms:.1f}" if p.p50_ms is not None else "-"
+        click.echo(
+            f"{p.mode} {p.load:g}: {p.throughput:.1f} req/s, P50 {p50} ms, P99 {p99} ms, "
+            f"{p.ok}/{p.requests} ok, errors {p.errors or 'none'}"
+        )
+    best = report["max_throughput_within_budget"]
+    click.echo(f"best throughput with P99 <= 200 ms: {best:.1f} req/s" if best else
+               "no level kept P99 <= 200 ms")  # fmt: skip
+    click.echo(f"wrote {output} and {plot_path}")
 
 
 if __name__ == "__main__":

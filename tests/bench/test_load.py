@@ -1,0 +1,125 @@
+"""The load generator: arrival processes, summaries, and ``xgr bench serve`` end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import pytest
+from click.testing import CliRunner
+
+from tests.conftest import live_server
+from xgr.bench.load import Sample, fixed_concurrency, open_loop, summarize
+from xgr.cli import main
+from xgr.core import XgrError
+
+
+class FakeService:
+    """Answers after ``delay`` seconds; tracks how many requests are in flight at once."""
+
+    def __init__(self, delay: float, fail_every: int = 0) -> None:
+        self.delay, self.fail_every = delay, fail_every
+        self.in_flight = self.most_in_flight = self.calls = 0
+
+    async def send(self, history):
+        self.calls += 1
+        call = self.calls
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(self.delay)
+            if self.fail_every and call % self.fail_every == 0:
+                raise TimeoutError("slow")
+            return "ok" if call % 5 else "429"
+        finally:
+            self.in_flight -= 1
+
+
+def test_summary_percentiles_throughput_and_errors():
+    samples = [Sample(i * 0.1, 0.01 * (i + 1), "ok") for i in range(10)]
+    samples.append(Sample(0.05, 0.2, "504"))
+    point = summarize("rate", 10.0, samples)
+    assert (point.requests, point.ok, point.errors) == (11, 10, {"504": 1})
+    assert point.duration_s == pytest.approx(0.9 + 0.1)
+    assert point.throughput == pytest.approx(10 / 1.0)
+    assert point.p50_ms == pytest.approx(55.0)
+    assert point.p99_ms == pytest.approx(99.1)
+    with pytest.raises(XgrError, match="no requests"):
+        summarize("rate", 1.0, [])
+    assert summarize("rate", 1.0, [Sample(0, 1, "503")]).p99_ms is None
+
+
+def test_open_loop_follows_the_poisson_schedule_without_waiting_for_answers():
+    service = FakeService(delay=0.2)
+    rate, duration, seed = 80.0, 0.5, 3
+    samples = asyncio.run(open_loop(service.send, lambda: ["1"], rate, duration, seed))
+    rng, arrivals, t = random.Random(seed), 0, 0.0
+    while (t := t + rng.expovariate(rate)) < duration:
+        arrivals += 1
+    assert len(samples) == arrivals > 10
+    assert max(s.start for s in samples) < duration + 0.05  # starts never wait for answers
+    assert service.most_in_flight > 5  # many outstanding at once: an open loop
+    assert {s.outcome for s in samples} == {"ok", "429"}
+    assert all(s.latency >= 0.2 for s in samples)
+
+
+def test_fixed_concurrency_keeps_that_many_in_flight_and_records_failures():
+    service = FakeService(delay=0.01, fail_every=7)
+    samples = asyncio.run(fixed_concurrency(service.send, lambda: ["1"], 3, 0.3))
+    assert service.most_in_flight == 3
+    assert 30 <= len(samples) <= 100
+    assert sum(s.outcome == "TimeoutError" for s in samples) == len(samples) // 7
+    with pytest.raises(XgrError, match="concurrency"):
+        asyncio.run(fixed_concurrency(service.send, lambda: ["1"], 0, 1.0))
+
+
+@pytest.fixture(scope="module")
+def engine(served_model_dir):
+    from xgr import Engine
+
+    return Engine.from_pretrained(served_model_dir)
+
+
+def check_outputs(result, path):
+    assert result.exit_code == 0, result.output
+    report = json.loads(path.read_text())
+    point = report["points"][0]
+    assert point["ok"] == point["requests"] > 0 and point["errors"] == {}
+    assert point["p50_ms"] <= point["p95_ms"] <= point["p99_ms"]
+    assert path.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "P99" in result.output and "wrote" in result.output
+    return report
+
+
+def test_bench_serve_in_process(tmp_path, served_model_dir):
+    out = tmp_path / "in-process.json"
+    result = CliRunner().invoke(
+        main,
+        ["bench", "serve", "--model", str(served_model_dir), "--rate", "30", "--concurrency",
+         "2", "--duration", "1", "--beam-width", "8", "--num-results", "4", "--output", str(out)],
+    )  # fmt: skip
+    report = check_outputs(result, out)
+    assert [p["mode"] for p in report["points"]] == ["rate", "concurrency"]
+    assert report["settings"]["target"] == "in-process"
+
+
+def test_bench_serve_over_http(tmp_path, served_model_dir, engine):
+    from xgr.server.app import create_app
+
+    out = tmp_path / "http.json"
+    with live_server(create_app(engine)) as url:
+        result = CliRunner().invoke(
+            main,
+            ["bench", "serve", "--model", str(served_model_dir), "--url", url, "--rate", "20",
+             "--duration", "1", "--beam-width", "8", "--num-results", "4", "--output", str(out)],
+        )  # fmt: skip
+    report = check_outputs(result, out)
+    assert report["settings"]["target"] == url
+
+
+def test_bench_serve_needs_a_load_level(served_model_dir, tmp_path):
+    result = CliRunner().invoke(
+        main, ["bench", "serve", "--model", str(served_model_dir), "--output", str(tmp_path / "x")]
+    )
+    assert result.exit_code != 0 and "--rate or --concurrency" in result.output

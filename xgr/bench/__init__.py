@@ -1,0 +1,1 @@
+"""Load generation and serving benchmarks (``xgr bench serve``)."""

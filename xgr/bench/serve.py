@@ -1,0 +1,181 @@
+"""``xgr bench serve``: load levels against a server (HTTP) or the engine in-process, reported
+as JSON and as a latency-vs-throughput plot."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from xgr.bench.load import LoadPoint, Send, fixed_concurrency, open_loop, summarize
+from xgr.core import XgrError
+
+# The latency budget recommendation services hold to (P99, ms), drawn on the plot.
+LATENCY_BUDGET_MS = 200.0
+
+
+def history_sampler(item_ids: Sequence[str], length: int, seed: int) -> Callable[[], list[str]]:
+    """Random histories of ``length`` distinct items from the catalog.
+
+    Raises:
+        XgrError: length < 1 or more than the catalog holds.
+    """
+    if not 1 <= length <= len(item_ids):
+        raise XgrError(f"history length must be 1..{len(item_ids)}, got {length}")
+    rng = random.Random(seed)
+    return lambda: rng.sample(list(item_ids), length)
+
+
+def http_sender(client: Any, beam_width: int, num_results: int, deadline_ms: int | None) -> Send:
+    """Requests to ``POST /v1/recommend`` through an ``httpx.AsyncClient`` (base URL set)."""
+
+    async def send(history: list[str]) -> str:
+        body: dict[str, Any] = {
+            "history": history,
+            "beam_width": beam_width,
+            "num_results": num_results,
+        }
+        if deadline_ms:
+            body["deadline_ms"] = deadline_ms
+        response = await client.post("/v1/recommend", json=body)
+        return "ok" if response.status_code == 200 else str(response.status_code)
+
+    return send
+
+
+def engine_sender(
+    batcher: Any, engine: Any, beam_width: int, num_results: int, deadline_ms: int | None
+) -> Send:
+    """Requests straight into a running ``RequestBatcher`` (the server's path without HTTP)."""
+    import time
+
+    from xgr.scheduler import QueuedRequest
+
+    async def send(history: list[str]) -> str:
+        arrived = time.perf_counter()
+        prompt = engine.tokenize(engine.history_prompt(history, truncate=True))
+        deadline = arrived + deadline_ms / 1e3 if deadline_ms else None
+        request = QueuedRequest(
+            prompt, beam_width, beam_width, num_results, frozenset(history), deadline, arrived
+        )
+        await batcher.submit(request)
+        return "ok"
+
+    return send
+
+
+async def run_levels(
+    send: Send,
+    histories: Callable[[], list[str]],
+    rates: Sequence[float],
+    concurrencies: Sequence[int],
+    duration: float,
+    seed: int = 0,
+    progress: bool = True,
+) -> list[LoadPoint]:
+    """Each rate (open loop) and each concurrency level in turn, ``duration`` s apiece."""
+    points = []
+    levels = [("rate", r) for r in rates] + [("concurrency", c) for c in concurrencies]
+    for mode, load in levels:
+        expected = int(load * duration) if mode == "rate" else None
+        with tqdm(total=expected, desc=f"{mode} {load:g}", unit="req", disable=not progress) as bar:
+            if mode == "rate":
+                samples = await open_loop(send, histories, load, duration, seed, bar.update)
+            else:
+                samples = await fixed_concurrency(send, histories, int(load), duration, bar.update)
+        points.append(summarize(mode, load, samples))
+    return points
+
+
+def write_report(points: list[LoadPoint], settings: dict[str, Any], path: Path) -> dict:
+    """The JSON report: settings, one entry per load level, and the best rate within budget."""
+    within = [p for p in points if p.p99_ms is not None and p.p99_ms <= LATENCY_BUDGET_MS]
+    report = {
+        "settings": settings,
+        "latency_budget_ms": LATENCY_BUDGET_MS,
+        "points": [dataclasses.asdict(p) for p in points],
+        "max_throughput_within_budget": max((p.throughput for p in within), default=None),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def plot(points: list[LoadPoint], path: Path, title: str) -> None:
+    """P50 and P99 latency against achieved throughput, one line per mode, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for mode in ("rate", "concurrency"):
+        series = sorted(
+            (p for p in points if p.mode == mode and p.p99_ms is not None),
+            key=lambda p: p.throughput,
+        )
+        if not series:
+            continue
+        x = [p.throughput for p in series]
+        label = "open loop" if mode == "rate" else "fixed concurrency"
+        ax.plot(x, [p.p99_ms for p in series], "o-", label=f"P99, {label}")
+        ax.plot(x, [p.p50_ms for p in series], "s--", label=f"P50, {label}", alpha=0.7)
+    ax.axhline(LATENCY_BUDGET_MS, color="grey", linestyle=":", label="200 ms budget")
+    ax.set_xlabel("throughput (requests/s)")
+    ax.set_ylabel("latency (ms)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+async def bench_in_process(
+    engine: Any,
+    histories,
+    beam_width,
+    num_results,
+    deadline_ms,
+    rates,
+    concurrencies,
+    duration,
+    max_batch_size,
+    progress=True,
+):
+    """``run_levels`` against ``engine`` through a ``RequestBatcher`` in this process."""
+    from xgr.scheduler import RequestBatcher
+
+    batcher = RequestBatcher(engine, max_batch_size)
+    batcher.start()
+    try:
+        send = engine_sender(batcher, engine, beam_width, num_results, deadline_ms)
+        return await run_levels(send, histories, rates, concurrencies, duration, progress=progress)
+    finally:
+        await batcher.stop(drain=True)
+
+
+async def bench_http(
+    url: str,
+    histories,
+    beam_width,
+    num_results,
+    deadline_ms,
+    rates,
+    concurrencies,
+    duration,
+    progress=True,
+):
+    """``run_levels`` against a running ``xgr serve`` at ``url``."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+        send = http_sender(client, beam_width, num_results, deadline_ms)
+        return await run_levels(send, histories, rates, concurrencies, duration, progress=progress)
