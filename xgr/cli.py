@@ -358,17 +358,17 @@ def bench_serve(
     try:
         if url is None:
             engine = source.load()
-            histories = bench.history_sampler(engine.catalog.item_ids, history_len, seed)
-            coroutine = bench.bench_in_process(
-                engine, histories, beam_width, num_results, deadline_ms, rates,
-                concurrencies, duration, max_batch_size,
-            )  # fmt: skip
+            item_ids = engine.catalog.item_ids
         else:
-            histories = bench.history_sampler(source.catalog().item_ids, history_len, seed)
-            coroutine = bench.bench_http(
-                url, histories, beam_width, num_results, deadline_ms, rates, concurrencies,
-                duration,
-            )  # fmt: skip
+            item_ids = source.catalog().item_ids
+        plan = bench.LoadPlan(
+            bench.history_sampler(item_ids, history_len, seed),
+            beam_width, num_results, deadline_ms, rates, concurrencies, duration,
+        )  # fmt: skip
+        if url is None:
+            coroutine = bench.bench_in_process(engine, plan, max_batch_size)
+        else:
+            coroutine = bench.bench_http(url, plan)
         points = asyncio.run(coroutine)
     except XgrError as exc:
         _fail(exc)

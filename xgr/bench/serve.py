@@ -7,6 +7,7 @@ import dataclasses
 import json
 import random
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -137,45 +138,53 @@ def plot(points: list[LoadPoint], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+@dataclass(frozen=True)
+class LoadPlan:
+    """What a benchmark sends: request shape and the load levels.
+
+    Attributes:
+        histories: returns one random history (item ids) per call.
+        beam_width, num_results: search parameters of every request.
+        deadline_ms: per-request deadline, or None.
+        rates: open-loop Poisson rates (requests/s). concurrencies: fixed client counts.
+        duration: seconds per load level.
+    """
+
+    histories: Callable[[], list[str]]
+    beam_width: int
+    num_results: int
+    deadline_ms: int | None
+    rates: Sequence[float]
+    concurrencies: Sequence[int]
+    duration: float
+
+
 async def bench_in_process(
-    engine: Any,
-    histories,
-    beam_width,
-    num_results,
-    deadline_ms,
-    rates,
-    concurrencies,
-    duration,
-    max_batch_size,
-    progress=True,
-):
-    """``run_levels`` against ``engine`` through a ``RequestBatcher`` in this process."""
+    engine: Any, plan: LoadPlan, max_batch_size: int, progress: bool = True
+) -> list[LoadPoint]:
+    """The plan's levels against ``engine`` through a ``RequestBatcher`` in this process."""
     from xgr.scheduler import RequestBatcher
 
     batcher = RequestBatcher(engine, max_batch_size)
     batcher.start()
     try:
-        send = engine_sender(batcher, engine, beam_width, num_results, deadline_ms)
-        return await run_levels(send, histories, rates, concurrencies, duration, progress=progress)
+        send = engine_sender(batcher, engine, plan.beam_width, plan.num_results, plan.deadline_ms)
+        return await _levels(send, plan, progress)
     finally:
         await batcher.stop(drain=True)
 
 
-async def bench_http(
-    url: str,
-    histories,
-    beam_width,
-    num_results,
-    deadline_ms,
-    rates,
-    concurrencies,
-    duration,
-    progress=True,
-):
-    """``run_levels`` against a running ``xgr serve`` at ``url``."""
+async def bench_http(url: str, plan: LoadPlan, progress: bool = True) -> list[LoadPoint]:
+    """The plan's levels against a running ``xgr serve`` at ``url``."""
     import httpx
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
-        send = http_sender(client, beam_width, num_results, deadline_ms)
-        return await run_levels(send, histories, rates, concurrencies, duration, progress=progress)
+        send = http_sender(client, plan.beam_width, plan.num_results, plan.deadline_ms)
+        return await _levels(send, plan, progress)
+
+
+async def _levels(send: Send, plan: LoadPlan, progress: bool) -> list[LoadPoint]:
+    return await run_levels(
+        send, plan.histories, plan.rates, plan.concurrencies, plan.duration, progress=progress
+    )
