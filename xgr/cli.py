@@ -314,10 +314,12 @@ def bench() -> None:
 @click.option("--concurrency", "concurrencies", type=int, multiple=True, help="Fixed clients.")
 @click.option("--duration", default=10.0, show_default=True, help="Seconds per load level.")
 @click.option("--history-len", default=20, show_default=True, help="Items per random history.")
-@click.option("--beam-width", default=64, show_default=True)
-@click.option("--num-results", default=10, show_default=True)
-@click.option("--deadline-ms", default=None, type=int, help="Per-request deadline.")
-@click.option("--max-batch-size", default=32, show_default=True, help="In-process only.")
+@click.option("--beam-width", default=64, show_default=True, type=click.IntRange(1))
+@click.option("--num-results", default=10, show_default=True, type=click.IntRange(1))
+@click.option("--deadline-ms", default=None, type=click.IntRange(1), help="Per-request deadline.")
+@click.option(
+    "--max-batch-size", default=32, show_default=True, type=click.IntRange(1), help="In-process."
+)
 @click.option("--seed", default=0, show_default=True)
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
 @click.option(
@@ -391,9 +393,13 @@ def bench_serve(
             f"{p.ok}/{p.requests} ok, errors {p.errors or 'none'}"
         )
     best = report["max_throughput_within_budget"]
-    click.echo(f"best throughput with P99 <= 200 ms: {best:.1f} req/s" if best else
-               "no level kept P99 <= 200 ms")  # fmt: skip
+    if best:
+        click.echo(f"best throughput with P99 <= 200 ms and <= 1% errors: {best:.1f} req/s")
+    else:
+        click.echo("no level kept P99 <= 200 ms with <= 1% errors")
     click.echo(f"wrote {output} and {plot_path}")
+    if not any(p.ok for p in points):
+        _fail(XgrError("no request succeeded: is the server up and the model the same?"))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 
 import pytest
 from click.testing import CliRunner
@@ -123,3 +124,44 @@ def test_bench_serve_needs_a_load_level(served_model_dir, tmp_path):
         main, ["bench", "serve", "--model", str(served_model_dir), "--output", str(tmp_path / "x")]
     )
     assert result.exit_code != 0 and "--rate or --concurrency" in result.output
+
+
+@pytest.mark.parametrize(
+    ("rates", "concurrencies", "duration", "message"),
+    [
+        ([float("inf")], [], 1.0, "rate must be"),
+        ([float("nan")], [], 1.0, "rate must be"),
+        ([1e300], [], 1.0, "rate must be"),
+        ([0.0], [], 1.0, "rate must be"),
+        ([10.0], [0], 1.0, "concurrency must be"),  # checked before the rate level runs
+        ([10.0], [], 0.0, "duration must be"),
+    ],
+)
+def test_unusable_levels_are_refused_before_any_run(rates, concurrencies, duration, message):
+    from xgr.bench.serve import run_levels
+
+    service = FakeService(delay=0.0)
+    with pytest.raises(XgrError, match=message):
+        asyncio.run(run_levels(service.send, lambda: ["1"], rates, concurrencies, duration))
+    assert service.calls == 0
+
+
+def test_budget_needs_fast_answers_and_few_errors(tmp_path):
+    from xgr.bench.load import LoadPoint
+    from xgr.bench.serve import write_report
+
+    fast_but_refused = LoadPoint("rate", 100, 1.0, 100, 10, 10.0, 20.0, 30.0, 40.0, {"429": 90})
+    clean = LoadPoint("rate", 50, 1.0, 50, 50, 50.0, 20.0, 60.0, 150.0, {})
+    slow = LoadPoint("rate", 80, 1.0, 80, 80, 80.0, 150.0, 200.0, 250.0, {})
+    report = write_report([fast_but_refused, clean, slow], {}, tmp_path / "r.json")
+    assert report["max_throughput_within_budget"] == 50.0
+
+
+def test_open_loop_latency_counts_from_the_scheduled_arrival():
+    async def blocking_send(history):
+        time.sleep(0.05)  # blocks the event loop: later arrivals start late
+        return "ok"
+
+    samples = asyncio.run(open_loop(blocking_send, lambda: ["1"], 200.0, 0.2, seed=1))
+    assert len(samples) > 10
+    assert max(s.latency for s in samples) > 0.2  # waiting behind the blocked loop counts

@@ -185,14 +185,14 @@ def test_batch_shrinks_so_the_oldest_deadline_is_met():
 
     async def scenario():
         batcher = held_batcher(engine, max_batch_size=16)
-        batcher.latency.seconds_per_token = 0.01  # 11 tokens a request: 0.11 s each
+        batcher.latency.rates = [0.01]  # 11 tokens a request: 0.11 s each
+        batcher.latency.observe = lambda tokens, seconds: None  # keep the prediction fixed
         first = asyncio.ensure_future(batcher.submit(request(0)))
         await asyncio.sleep(0.02)
         deadline = time.perf_counter() + 0.4
         rest = [request(i, deadline=deadline if i == 1 else None) for i in range(1, 6)]
         pending = asyncio.ensure_future(run_concurrently(batcher, rest))
         await asyncio.sleep(0.02)
-        batcher.latency.weight = 0.0  # keep the prediction fixed for the test
         engine.release.set()
         answers = [await first, *(await pending)]
         await batcher.stop()
@@ -209,15 +209,17 @@ def test_a_deadline_that_cannot_be_met_is_refused_at_admission():
 
     async def scenario():
         batcher = held_batcher(engine)
-        batcher.latency.seconds_per_token = 0.01
-        held = asyncio.ensure_future(run_concurrently(batcher, [request(i) for i in range(5)]))
-        await asyncio.sleep(0.05)
+        batcher.latency.rates = [0.01]
+        first = asyncio.ensure_future(batcher.submit(request(0)))
+        await asyncio.sleep(0.02)  # running, held
+        held = asyncio.ensure_future(run_concurrently(batcher, [request(i) for i in range(1, 5)]))
+        await asyncio.sleep(0.02)  # 4 x 11 tokens waiting: 0.44 s ahead
         started = time.perf_counter()
         with pytest.raises(DeadlineExceededError, match="cannot be met"):
             await batcher.submit(request(9, deadline=time.perf_counter() + 0.05))
         refused_in = time.perf_counter() - started
         engine.release.set()
-        await held
+        await first, await held
         await batcher.stop()
         return refused_in
 
@@ -230,7 +232,7 @@ def test_full_queue_is_refused_with_a_retry_time():
 
     async def scenario():
         batcher = held_batcher(engine, max_queue=3)
-        batcher.latency.seconds_per_token = 0.2
+        batcher.latency.rates = [0.2]
         first = asyncio.ensure_future(batcher.submit(request(0)))
         await asyncio.sleep(0.02)  # running, held
         held = asyncio.ensure_future(run_concurrently(batcher, [request(i) for i in range(1, 4)]))
@@ -301,3 +303,70 @@ def test_a_burst_of_500_is_answered_once_each():
     served = [p[0] for c in engine.calls for p in c[0]]
     assert sorted(served) == list(range(500))  # every request once, none twice
     assert all(len(c[0]) <= 32 for c in engine.calls)
+
+
+def test_one_slow_batch_does_not_lock_out_deadline_requests():
+    engine = RecordingEngine(delay=0.3)  # the first call is slow (a capture, a pause)
+
+    async def scenario():
+        batcher = RequestBatcher(engine)
+        batcher.start()
+        await batcher.submit(request(0))
+        engine.delay = 0.0
+        # An idle queue: nothing ahead, so a short deadline is accepted and met.
+        answers = [await batcher.submit(request(i, deadline=time.perf_counter() + 0.1))
+                   for i in range(1, 4)]  # fmt: skip
+        await batcher.stop()
+        return answers
+
+    answers = asyncio.run(scenario())
+    assert all(a.result.prompt_tokens == 3 for a in answers)
+
+
+class BrokenEngine(RecordingEngine):
+    """Answers with one result too few, or raises ``CancelledError`` itself."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+
+    def recommend(self, prompts, **kwargs):
+        results = super().recommend(prompts, **kwargs)
+        if prompts[0][0] == 66:
+            if self.mode == "short":
+                return results[:-1]
+            raise asyncio.CancelledError()
+        return results
+
+
+@pytest.mark.parametrize("mode", ["short", "cancelled"])
+def test_a_broken_engine_answer_fails_its_batch_and_the_loop_goes_on(mode):
+    engine = BrokenEngine(mode)
+
+    async def scenario():
+        batcher = RequestBatcher(engine)
+        batcher.start()
+        broken = await run_concurrently(batcher, [request(66), request(67)])
+        later = await asyncio.wait_for(batcher.submit(request(1)), 5)
+        await batcher.stop()
+        return broken, later
+
+    broken, later = asyncio.run(scenario())
+    assert all(isinstance(b, XgrError) for b in broken)
+    assert later.result.prompt_tokens == 3
+
+
+def test_submit_all_admits_together_or_not_at_all():
+    engine = RecordingEngine()
+
+    async def scenario():
+        batcher = RequestBatcher(engine, max_queue=3)
+        batcher.start()
+        with pytest.raises(XgrError, match="exceed the queue"):
+            await batcher.submit_all([request(i) for i in range(4)])
+        answers = await batcher.submit_all([request(i) for i in range(3)])
+        await batcher.stop()
+        return answers
+
+    assert [a.result.prompt_tokens for a in asyncio.run(scenario())] == [3, 3, 3]
+    assert sorted(p[0] for c in engine.calls for p in c[0]) == [0, 1, 2]

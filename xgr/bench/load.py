@@ -10,6 +10,7 @@ concurrency: N clients each send their next request when the previous one return
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -83,8 +84,36 @@ def summarize(mode: str, load: float, samples: list[Sample]) -> LoadPoint:
     )  # fmt: skip
 
 
-async def _timed(send: Send, history: list[str], origin: float, samples: list[Sample]) -> None:
-    start = time.perf_counter()
+# Highest open-loop rate accepted (requests/s): beyond it the generator itself is the limit.
+MAX_RATE = 100_000.0
+
+
+def check_levels(rates, concurrencies, duration: float) -> None:
+    """Refuse unusable load levels before any runs.
+
+    Raises:
+        XgrError: a rate not in (0, MAX_RATE], a concurrency < 1, a duration not in (0, 1 day].
+    """
+    if not 0 < duration <= 86_400:
+        raise XgrError(f"duration must be in (0, 86400] seconds, got {duration}")
+    for rate in rates:
+        if not (math.isfinite(rate) and 0 < rate <= MAX_RATE):
+            raise XgrError(f"rate must be in (0, {MAX_RATE:g}] requests/s, got {rate}")
+    for concurrency in concurrencies:
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise XgrError(f"concurrency must be an integer >= 1, got {concurrency!r}")
+
+
+async def _timed(
+    send: Send,
+    history: list[str],
+    origin: float,
+    samples: list[Sample],
+    scheduled: float | None = None,
+) -> None:
+    # Latency counts from the scheduled arrival when there is one: a late start is the
+    # generator's or the host's delay, and users would have waited through it.
+    start = time.perf_counter() if scheduled is None else scheduled
     try:
         outcome = await send(history)
     except Exception as exc:  # a failed request is a data point, not the end of the run
@@ -105,18 +134,18 @@ async def open_loop(
     Raises:
         XgrError: a rate or duration <= 0.
     """
-    if rate <= 0 or duration <= 0:
-        raise XgrError(f"rate and duration must be > 0, got {rate}, {duration}")
+    check_levels([rate], [], duration)
     rng = random.Random(seed)
     samples: list[Sample] = []
     tasks = []
     origin = time.perf_counter()
     next_start = rng.expovariate(rate)
     while next_start < duration:
-        delay = origin + next_start - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        task = asyncio.ensure_future(_timed(send, histories(), origin, samples))
+        # Sleeping (even for 0 s) lets started requests run while later ones are scheduled.
+        await asyncio.sleep(max(0.0, origin + next_start - time.perf_counter()))
+        task = asyncio.ensure_future(
+            _timed(send, histories(), origin, samples, origin + next_start)
+        )
         if on_done is not None:
             task.add_done_callback(lambda _: on_done())
         tasks.append(task)
@@ -137,8 +166,7 @@ async def fixed_concurrency(
     Raises:
         XgrError: concurrency < 1 or duration <= 0.
     """
-    if concurrency < 1 or duration <= 0:
-        raise XgrError(f"concurrency must be >= 1 and duration > 0, got {concurrency}, {duration}")
+    check_levels([], [concurrency], duration)
     samples: list[Sample] = []
     origin = time.perf_counter()
 
@@ -147,6 +175,7 @@ async def fixed_concurrency(
             await _timed(send, histories(), origin, samples)
             if on_done is not None:
                 on_done()
+            await asyncio.sleep(0)  # an instant refusal must not starve the other clients
 
     await asyncio.gather(*(client() for _ in range(concurrency)))
     return samples

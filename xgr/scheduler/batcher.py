@@ -7,15 +7,17 @@ request and, in arrival order, the waiting requests with the same beam width and
 - its scheduled tokens (prompt tokens + beam width x levels per request) fit
   ``max_batch_tokens``, and
 - the batch's predicted run time still lets its earliest deadline be met: the batch shrinks
-  (newest requests return to the queue) until it does.
+  (newest requests return to the queue) until it does, down to one request.
 
-A batch runs all its decode steps together (fixed-step: no re-batching between steps). Run
-times are predicted from the measured seconds per scheduled token (an exponentially weighted
-average over past batches). Requests whose deadline cannot be met even alone are refused
-before any work is spent on them: at admission, from the predicted wait, and again when a
-batch is formed. The queue is bounded (``QueueFullError``, answered 429 with Retry-After);
-a request whose client went away is dropped before its batch starts; ``stop(drain=True)``
-finishes every admitted request before the loop ends.
+A deadline is the time by which the answer is wanted. A batch runs all its decode steps
+together (fixed-step: no re-batching between steps). Run times are predicted from recent
+batches' seconds per scheduled token, taking the fastest of the last ``LatencyModel.window``
+batches, so one slow batch (a first capture, a pause) does not make every later deadline look
+impossible. Work is refused before it is spent: at admission when the requests already waiting
+would take past the deadline, and in the queue once the deadline has passed. The queue is
+bounded (``QueueFullError``, answered 429 with Retry-After); a request whose client went away
+is dropped before its batch starts; ``stop(drain=True)`` finishes every admitted request
+before the loop ends. A failing engine call fails its own requests, never the loop.
 """
 
 from __future__ import annotations
@@ -54,24 +56,27 @@ class LatencyModel:
     """Predicted batch run time from measured seconds per scheduled token.
 
     Attributes:
-        seconds_per_token: exponentially weighted average over past batches; None until the
-            first batch has run (no prediction, no deadline refusals before then).
-        weight: weight of the newest batch in the average.
+        window: recent batches kept; the prediction uses the fastest of them, so a single
+            slow batch cannot make deadlines look impossible (and, refused, never run again
+            to correct it).
+        rates: seconds per scheduled token of the recent batches, newest last.
     """
 
-    seconds_per_token: float | None = None
-    weight: float = 0.3
+    window: int = 16
+    rates: list[float] = field(default_factory=list)
 
     def observe(self, tokens: int, seconds: float) -> None:
-        rate = seconds / max(tokens, 1)
-        if self.seconds_per_token is None:
-            self.seconds_per_token = rate
-        else:
-            self.seconds_per_token += self.weight * (rate - self.seconds_per_token)
+        self.rates.append(seconds / max(tokens, 1))
+        del self.rates[: -self.window]
+
+    @property
+    def seconds_per_token(self) -> float | None:
+        return min(self.rates) if self.rates else None
 
     def predict(self, tokens: int) -> float:
         """Seconds for a batch of ``tokens`` scheduled tokens; 0 before any measurement."""
-        return 0.0 if self.seconds_per_token is None else self.seconds_per_token * tokens
+        rate = self.seconds_per_token
+        return 0.0 if rate is None else rate * tokens
 
 
 @dataclass
@@ -133,8 +138,8 @@ class RequestBatcher:
             ("max_batch_tokens", max_batch_tokens),
             ("max_queue", max_queue),
         ):
-            if value < 1:
-                raise XgrError(f"{name} must be >= 1, got {value}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise XgrError(f"{name} must be an integer >= 1, got {value!r}")
         self.engine = engine
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
@@ -174,13 +179,15 @@ class RequestBatcher:
         self._closing = True
         if drain and self._task is not None:
             end = time.perf_counter() + timeout
-            while (self._waiting or self._batch) and time.perf_counter() < end:
+            busy = self._waiting or self._batch
+            while busy and not self._task.done() and time.perf_counter() < end:
                 await asyncio.sleep(0.01)
+                busy = self._waiting or self._batch
         if self._task is not None:
             self._task.cancel()
             try:
                 await self._task
-            except asyncio.CancelledError:
+            except BaseException:  # cancelled, or died earlier: either way it is over
                 pass
             self._task = None
         for request in [*self._batch, *self._waiting]:
@@ -195,33 +202,59 @@ class RequestBatcher:
         batch has not started.
 
         Raises:
-            DeadlineExceededError: its deadline passed, or cannot be met, before it started.
+            DeadlineExceededError: the requests waiting ahead would take past its deadline,
+                or the deadline passed while it waited.
             QueueFullError: ``max_queue`` requests are already waiting.
             ShuttingDownError: the scheduler is stopping or not running.
             XgrError: the engine refused it.
         """
-        if self._task is None or self._closing:
+        (future,) = self._admit([request])
+        return await self._answer(request, future)
+
+    async def submit_all(self, requests: list[QueuedRequest]) -> list[Answer]:
+        """Queue several requests together (all admitted or none) and wait for every answer.
+
+        Raises:
+            XgrError: more requests than the queue can ever hold (a client error, not 429).
+            the errors of ``submit``: the first failing request's.
+        """
+        if len(requests) > self.max_queue:
+            raise XgrError(f"{len(requests)} requests exceed the queue's {self.max_queue} places")
+        futures = self._admit(requests)
+        return list(
+            await asyncio.gather(
+                *(self._answer(r, f) for r, f in zip(requests, futures, strict=True))
+            )
+        )
+
+    def _admit(self, requests: list[QueuedRequest]) -> list[asyncio.Future]:
+        if self._task is None or self._task.done() or self._closing:
             raise ShuttingDownError("the scheduler is not running")
-        if len(self._waiting) >= self.max_queue:
+        if len(self._waiting) + len(requests) > self.max_queue:
             backlog = sum(self.cost(r) for r in self._waiting)
             retry = max(1, math.ceil(self.latency.predict(backlog)))
             raise QueueFullError(f"{len(self._waiting)} requests are waiting", retry)
-        if request.deadline is not None:
-            backlog = sum(self.cost(r) for r in self._waiting) + self.cost(request)
-            predicted = time.perf_counter() + self.latency.predict(backlog)
-            if predicted > request.deadline:
-                late_ms = (predicted - request.deadline) * 1e3
+        ahead = time.perf_counter() + self.latency.predict(sum(self.cost(r) for r in self._waiting))
+        for request in requests:
+            if request.deadline is not None and ahead > request.deadline:
+                late_ms = (ahead - request.deadline) * 1e3
                 raise DeadlineExceededError(
-                    f"the deadline cannot be met: the queue ahead needs {late_ms:.0f} ms more"
+                    f"the deadline cannot be met: the requests waiting ahead need {late_ms:.0f} ms "
+                    "more than it leaves"
                 )
-        request.future = asyncio.get_running_loop().create_future()
-        self._waiting.append(request)
+        loop = asyncio.get_running_loop()
+        for request in requests:
+            request.future = loop.create_future()
+            self._waiting.append(request)
         self._wakeup.set()
         self._report_load()
+        return [r.future for r in requests]
+
+    async def _answer(self, request: QueuedRequest, future: asyncio.Future) -> Answer:
         try:
-            return await request.future
+            return await future
         except asyncio.CancelledError:
-            request.future.cancel()
+            future.cancel()
             if request in self._waiting:
                 self._waiting.remove(request)
                 self._report_load()
@@ -234,16 +267,12 @@ class RequestBatcher:
         for request in self._waiting:
             if request.future.done():  # withdrawn
                 continue
-            if request.deadline is not None:
-                alone = now + self.latency.predict(self.cost(request))
-                if now > request.deadline or alone > request.deadline:
-                    waited_ms = (now - request.arrived) * 1e3
-                    request.future.set_exception(
-                        DeadlineExceededError(
-                            f"deadline cannot be met after {waited_ms:.0f} ms in the queue"
-                        )
-                    )
-                    continue
+            if request.deadline is not None and now > request.deadline:
+                waited_ms = (now - request.arrived) * 1e3
+                request.future.set_exception(
+                    DeadlineExceededError(f"deadline passed after {waited_ms:.0f} ms in the queue")
+                )
+                continue
             kept.append(request)
         self._waiting = kept
         if not kept:
@@ -275,8 +304,15 @@ class RequestBatcher:
                 self._wakeup.clear()
                 await self._wakeup.wait()
             self._batch = batch = self._next_batch()
-            if batch:
-                await self._run(batch, batch[0].beam_width, batch[0].top_k)
+            try:
+                if batch:
+                    await self._run(batch, batch[0].beam_width, batch[0].top_k)
+            except Exception as exc:  # a broken answer fails its batch, never the loop
+                for request in batch:
+                    if not request.future.done():
+                        request.future.set_exception(
+                            XgrError(f"the engine call failed: {type(exc).__name__}: {exc}")
+                        )
             self._batch = []
 
     async def _run(self, group: list[QueuedRequest], beam_width: int, top_k: int) -> None:
@@ -297,6 +333,14 @@ class RequestBatcher:
                 num_results=[r.num_results for r in live],
                 exclude_item_ids=[r.exclude for r in live],
             )
+        except asyncio.CancelledError:
+            if self._closing:  # stop(): the loop itself is being cancelled
+                raise
+            # The engine raised CancelledError itself: a failure of this batch only.
+            for request in live:
+                if not request.future.done():
+                    request.future.set_exception(XgrError("the engine call was cancelled"))
+            return
         except Exception as exc:  # one failed call must not lose the others' answers
             for request in live:
                 if not request.future.done():
@@ -306,7 +350,10 @@ class RequestBatcher:
             self._running = 0
             self._report_load()
         finished = time.perf_counter()
-        self.latency.observe(sum(self.cost(r) for r in live), finished - started)
+        if not isinstance(results, list) or len(results) != len(live):
+            raise XgrError(f"expected {len(live)} results, got {type(results).__name__}")
+        if any(r.recorded for r in live):  # the warm-up request's compile time is no measure
+            self.latency.observe(sum(self.cost(r) for r in live), finished - started)
         for request, result in zip(live, results, strict=True):
             times = RequestTimes(
                 queue=started - request.arrived,
@@ -314,10 +361,11 @@ class RequestBatcher:
                 decode=result.decode_ms / 1e3,
                 e2e=finished - request.arrived,
             )
+            if request.future.done():  # withdrawn while its batch ran: nobody to answer
+                continue
             if self.metrics and request.recorded:
                 self.metrics.observe_request(times, result.prompt_tokens, FINISHED_REASON)
-            if not request.future.done():
-                request.future.set_result(Answer(result, times))
+            request.future.set_result(Answer(result, times))
 
     def _report_load(self) -> None:
         if self.metrics:

@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from xgr.catalog import resolve_history
-from xgr.core import PromptTooLongError, SearchParams, XgrError
+from xgr.core import ModelOutputError, PromptTooLongError, SearchParams, XgrError
 from xgr.engine import Engine
 from xgr.scheduler import (
     DeadlineExceededError,
@@ -63,10 +63,12 @@ POST_ERRORS: dict[int | str, dict[str, Any]] = {
     413: _error("Request body or prompt too long."),
     422: _error("Body does not match the schema."),
     429: _error("The queue is full; retry after the Retry-After header's seconds."),
+    500: _error("The model produced no finite score (a numerical failure)."),
     503: _error("The server is shutting down."),
     504: _error("The deadline passed, or cannot be met, before the request could start."),
 }
 STATUS_OF = {
+    ModelOutputError: 500,  # the model's numbers, not the request, are at fault
     ModelNotFoundError: 404,
     PromptTooLongError: 413,
     QueueFullError: 429,
@@ -116,9 +118,9 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, QueueFullError) else None
         return JSONResponse(status_code=status, content={"error": str(exc)}, headers=headers)
 
-    async def answer_unless_disconnected(request: Request, queued: QueuedRequest):
-        """The batcher's answer, or None once the client has gone (the request is withdrawn)."""
-        task = asyncio.ensure_future(batcher.submit(queued))
+    async def answer_unless_disconnected(request: Request, waiting):
+        """The awaited answer, or None once the client has gone (its requests withdrawn)."""
+        task = asyncio.ensure_future(waiting)
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if done:
@@ -199,14 +201,16 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         deadline = arrived + body.deadline_ms / 1e3 if body.deadline_ms else None
         answer = await answer_unless_disconnected(
             http_request,
-            QueuedRequest(
-                prompt,
-                body.beam_width,
-                top_k,
-                body.num_results,
-                frozenset(history.excluded if body.exclude_history else ()),
-                deadline,
-                arrived,
+            batcher.submit(
+                QueuedRequest(
+                    prompt,
+                    body.beam_width,
+                    top_k,
+                    body.num_results,
+                    frozenset(history.excluded if body.exclude_history else ()),
+                    deadline,
+                    arrived,
+                )
             ),
         )
         if answer is None:  # nobody is listening
@@ -237,7 +241,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         response_model=CompletionResponse,
         responses={**POST_ERRORS, 404: _error("Unknown model.")},
     )
-    async def completions(body: CompletionRequest) -> CompletionResponse:
+    async def completions(body: CompletionRequest, http_request: Request) -> Any:
         if body.model is not None and body.model != engine.name:
             raise ModelNotFoundError(
                 f"model {body.model!r} is not served here; this server serves {engine.name!r}"
@@ -252,10 +256,14 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         prompts = await asyncio.to_thread(
             lambda: [engine.tokenize(p) for p in completion_prompts(body.prompt)]
         )
-        # All prompts of one completion are queued together, so they share a batch.
-        answers = await asyncio.gather(
-            *(batcher.submit(QueuedRequest(p, beam_width, beam_width, body.n)) for p in prompts)
+        # All prompts of one completion are admitted together (or refused together), so they
+        # share a batch and a full queue never runs part of a completion.
+        answers = await answer_unless_disconnected(
+            http_request,
+            batcher.submit_all([QueuedRequest(p, beam_width, beam_width, body.n) for p in prompts]),
         )
+        if answers is None:  # nobody is listening
+            return Response(status_code=499)
         return completion_response(engine, [a.result for a in answers], body.n, state["started"])
 
     return app

@@ -36,7 +36,11 @@ class RecommendRequest(BaseModel):
         False, description="Drop the oldest items when the prompt is too long (else 413)."
     )
     deadline_ms: float | None = Field(
-        None, gt=0, le=3_600_000, description="Answer 504 if not started within this time."
+        None,
+        gt=0,
+        le=3_600_000,
+        description="Time by which the answer is wanted (ms): 504 at once when the requests "
+        "waiting ahead would take longer, or when it passes before the request's batch starts.",
     )
     request_id: str | None = Field(None, max_length=128)
 
