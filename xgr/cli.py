@@ -61,15 +61,16 @@ class ModelSource:
         except XgrError as exc:
             _fail(exc)
 
-    def load(self):
-        """The ``xgr.Engine`` of this source; a clear error instead of a traceback."""
+    def load(self, **options):
+        """The ``xgr.Engine`` of this source (``options`` go to ``Engine``); a clear error
+        instead of a traceback."""
         from xgr import Engine, ItemCatalog
 
         folder = self.folder()
         try:
             catalog = ItemCatalog.from_index_json(self.catalog_path) if self.catalog_path else None
             return Engine.from_pretrained(
-                folder, catalog=catalog, device=self.device, dtype=self.dtype
+                folder, catalog=catalog, device=self.device, dtype=self.dtype, **options
             )
         except XgrError as exc:
             _fail(exc)
@@ -270,6 +271,13 @@ def evaluate(source, k, beam_width, max_users, output) -> None:
     help="Scheduled tokens (prompt + beam width x levels) per engine call.",
 )
 @click.option("--max-queue", default=4096, show_default=True, help="Waiting requests (then 429).")
+@click.option(
+    "--streams",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 16),
+    help="Batches in flight at once, each on its own CUDA stream (GPU only).",
+)
 def serve(
     source,
     host,
@@ -280,6 +288,7 @@ def serve(
     max_body_bytes,
     max_batch_tokens,
     max_queue,
+    streams,
 ) -> None:
     """Serve the HTTP API: recommend, completions, models, health, ready, metrics."""
     import uvicorn
@@ -295,10 +304,11 @@ def serve(
             max_body_bytes,
             max_batch_tokens,
             max_queue,
+            streams,
         )
     except XgrError as exc:
         _fail(exc)
-    engine = source.load()
+    engine = source.load(cuda_streams=streams)
     uvicorn.run(create_app(engine, config), host=host, port=port)
 
 
@@ -321,6 +331,13 @@ def bench() -> None:
     "--max-batch-size", default=32, show_default=True, type=click.IntRange(1), help="In-process."
 )
 @click.option("--seed", default=0, show_default=True)
+@click.option(
+    "--streams",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 16),
+    help="In-process: batches in flight, each on its own CUDA stream (GPU only).",
+)
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
 @click.option(
     "--plot",
@@ -341,6 +358,7 @@ def bench_serve(
     deadline_ms,
     max_batch_size,
     seed,
+    streams,
     output,
     plot_path,
 ) -> None:
@@ -359,7 +377,7 @@ def bench_serve(
         raise click.UsageError("give --demo or --model (its catalog supplies the histories)")
     try:
         if url is None:
-            engine = source.load()
+            engine = source.load(cuda_streams=streams)
             item_ids = engine.catalog.item_ids
         else:
             item_ids = source.catalog().item_ids
@@ -381,6 +399,7 @@ def bench_serve(
         "history_len": history_len,
         "duration_s": duration,
         "deadline_ms": deadline_ms,
+        "streams": streams if url is None else None,
     }
     report = bench.write_report(points, settings, output)
     plot_path = plot_path or output.with_suffix(".png")

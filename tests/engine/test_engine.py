@@ -342,3 +342,21 @@ def test_bfloat16_scores_are_never_positive(tmp_path):
         num_results=8,
     )
     assert all(score <= 0 for r in results for _, score in r.semantic_ids)
+
+
+def test_concurrent_calls_on_lanes_equal_calls_one_by_one(model_dirs):
+    from concurrent.futures import ThreadPoolExecutor
+
+    catalog = random_catalog(300, 3, 16, seed=12)
+    engine = make_engine(model_dirs, catalog, cuda_streams=2)
+    assert engine.lanes == 1  # the CPU has one lane whatever is asked
+    batches = [random_prompts([5, 9], seed=s) for s in range(6)]
+    alone = [engine.recommend(b, beam_width=8, top_k=8, num_results=8) for b in batches]
+    with ThreadPoolExecutor(3) as pool:
+        together = list(pool.map(lambda b: engine.recommend(b, 8, 8, 8), batches))
+    for a, b in zip(alone, together, strict=True):
+        assert [[c for c, _ in r.semantic_ids] for r in a] == [
+            [c for c, _ in r.semantic_ids] for r in b
+        ]
+    with pytest.raises(XgrError, match="cuda_streams"):
+        make_engine(model_dirs, catalog, cuda_streams=0)

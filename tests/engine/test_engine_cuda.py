@@ -173,3 +173,21 @@ def test_bfloat16_graphs_keep_most_top10_items(tmp_path, init):
     same = [a == b for a, b in zip(graphed, top10_sets(reference, prompts), strict=True)]
     print(f"init {init}: same bf16 top-10 set for {np.mean(same):.2f} of the requests")
     assert np.mean(same) >= 0.9
+
+
+def test_two_streams_run_batches_concurrently_with_the_same_results(model_dirs):
+    from concurrent.futures import ThreadPoolExecutor
+
+    catalog = random_catalog(600, 3, 16, seed=13)
+    sid_map = sequential_sid_map(3, 16, 8)
+    one = Engine.from_pretrained(model_dirs["qwen2"], catalog, device="cuda", sid_token_ids=sid_map)
+    two = Engine.from_pretrained(
+        model_dirs["qwen2"], catalog, device="cuda", sid_token_ids=sid_map, cuda_streams=2
+    )
+    assert two.lanes == 2
+    gen = torch.Generator().manual_seed(14)
+    batches = [[torch.randint(0, 96, (n,), generator=gen).tolist()] for n in range(5, 60, 5)]
+    expected = [sid_lists(one.recommend(b, 16, 16, 16)) for b in batches]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda b: sid_lists(two.recommend(b, 16, 16, 16)), batches))
+    assert got == expected

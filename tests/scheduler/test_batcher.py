@@ -370,3 +370,34 @@ def test_submit_all_admits_together_or_not_at_all():
 
     assert [a.result.prompt_tokens for a in asyncio.run(scenario())] == [3, 3, 3]
     assert sorted(p[0] for c in engine.calls for p in c[0]) == [0, 1, 2]
+
+
+def test_batches_in_flight_run_concurrently_up_to_the_limit():
+    engine = RecordingEngine(delay=0.1)
+    lock, state = threading.Lock(), {"now": 0, "most": 0}
+    inner = engine.recommend
+
+    def counting(*args, **kwargs):
+        with lock:
+            state["now"] += 1
+            state["most"] = max(state["most"], state["now"])
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            with lock:
+                state["now"] -= 1
+
+    engine.recommend = counting
+
+    async def scenario():
+        batcher = RequestBatcher(engine, max_batch_size=2, max_inflight=2)
+        batcher.start()
+        answers = await run_concurrently(batcher, [request(i) for i in range(8)])
+        await batcher.stop(drain=True)
+        return answers
+
+    started = time.perf_counter()
+    answers = asyncio.run(scenario())
+    assert [a.result.prompt_tokens for a in answers] == [3] * 8
+    assert state["most"] == 2  # two engine calls at once, never three
+    assert time.perf_counter() - started < 0.1 * 4 * 0.9  # 4 batches overlapped in pairs

@@ -201,7 +201,7 @@ async def bench_in_process(
     """The plan's levels against ``engine`` through a ``RequestBatcher`` in this process."""
     from xgr.scheduler import RequestBatcher
 
-    batcher = RequestBatcher(engine, max_batch_size)
+    batcher = RequestBatcher(engine, max_batch_size, max_inflight=getattr(engine, "lanes", 1))
     batcher.start()
     try:
         send = engine_sender(batcher, engine, plan.beam_width, plan.num_results, plan.deadline_ms)

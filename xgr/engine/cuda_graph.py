@@ -234,7 +234,8 @@ class CudaGraphs:
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool):
+        # thread_local: another lane's thread may launch or allocate during this capture.
+        with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
             outputs = run()
         self.captures += 1
         logger.info("captured CUDA graph %s", key)

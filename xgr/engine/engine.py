@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import queue
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -58,6 +60,10 @@ class Engine:
             the full-vocabulary LM head (for models whose vocabulary is only the codes).
         cuda_graphs: on CUDA, replay the decode levels from CUDA graphs (one per batch
             shape, captured on first use); False decodes eagerly.
+        cuda_streams: on CUDA, how many batches may run at once, each on its own stream with
+            its own graphs and prompt-KV pool (the weights are shared); ``recommend`` is then
+            safe to call from that many threads (the scheduler's ``max_inflight``). 1 (the
+            default) runs on the current stream.
 
     Raises:
         XgrError: the code map does not match the catalog or the model's vocabulary.
@@ -74,6 +80,7 @@ class Engine:
         titles: dict[str, str] | None = None,
         full_vocab: bool = True,
         cuda_graphs: bool = True,
+        cuda_streams: int = 1,
     ) -> None:
         model.fuse_projections()  # one GEMM for q/k/v and one for gate/up, per layer
         self.model = model
@@ -92,7 +99,21 @@ class Engine:
         self.decode_spec = DecodeSpec.build(
             model, self.trie, self.sid_token_ids, full_vocab, self.attention_backend
         )
-        self.graphs = CudaGraphs(model) if cuda_graphs and self.device.type == "cuda" else None
+        cuda = self.device.type == "cuda"
+        if isinstance(cuda_streams, bool) or not isinstance(cuda_streams, int) or cuda_streams < 1:
+            raise XgrError(f"cuda_streams must be an integer >= 1, got {cuda_streams!r}")
+        self.graphs = CudaGraphs(model) if cuda_graphs and cuda else None
+        # Lanes run batches concurrently; lane 0 is the current stream with ``self.graphs``.
+        self._lanes: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._lane_state: list[tuple[Any, Any]] = [(None, None)]
+        lanes = cuda_streams if cuda else 1
+        if lanes > 1:  # every lane on a stream of its own, none on the default stream
+            self._lane_state = [(torch.cuda.Stream(self.device), self.graphs)]
+        for lane in range(lanes):
+            if lane:
+                graphs = CudaGraphs(model) if cuda_graphs else None
+                self._lane_state.append((torch.cuda.Stream(self.device), graphs))
+            self._lanes.put(lane)
         if self.max_prompt_tokens < 1:
             raise XgrError(
                 f"max_position_embeddings {model.config.max_position_embeddings} leaves no room "
@@ -118,7 +139,7 @@ class Engine:
             dtype: "float32", "bfloat16" or "float16".
             sid_token_ids: (num_levels, codebook_size) code -> token id map; default found
                 from the folder's tokenizer tokens named like the catalog's codes (``<a_12>``).
-            options: ``full_vocab`` and ``cuda_graphs``, passed to ``Engine``.
+            options: ``full_vocab``, ``cuda_graphs`` and ``cuda_streams``, passed to ``Engine``.
 
         Raises:
             XgrError: unreadable folder or weights, no catalog, a catalog whose fingerprint
@@ -167,6 +188,11 @@ class Engine:
             _load_titles(model_dir),
             **options,
         )
+
+    @property
+    def lanes(self) -> int:
+        """Batches this engine runs at once (``cuda_streams`` on CUDA, else 1)."""
+        return len(self._lane_state)
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -259,9 +285,16 @@ class Engine:
             excluded = [_item_id_set(ids, i) for i, ids in enumerate(exclude_item_ids)]
         if not tokenized:
             return []
-        out = generate_semantic_ids(
-            self.decode_spec, tokenized, search.beam_width, search.top_k, self.graphs
-        )
+        lane = self._lanes.get()  # blocks while every lane runs a batch
+        try:
+            stream, graphs = self._lane_state[lane]
+            graphs = self.graphs if lane == 0 else graphs  # lane 0 follows ``self.graphs``
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                out = generate_semantic_ids(
+                    self.decode_spec, tokenized, search.beam_width, search.top_k, graphs
+                )
+        finally:
+            self._lanes.put(lane)
         sid_index, scores = out.sid_index.numpy(), out.scores.numpy()
         # Every live beam has a valid continuation, so no finite score means NaN or -inf
         # log-probabilities everywhere: a broken model or an overflowing dtype.

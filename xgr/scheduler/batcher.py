@@ -120,6 +120,8 @@ class RequestBatcher:
         max_batch_tokens: most scheduled tokens (prompt + beam width x levels) per call; a
             single larger request still runs, alone.
         max_queue: most requests waiting; more are refused with ``QueueFullError``.
+        max_inflight: engine calls running at once (batches in flight, e.g. one per CUDA
+            stream of an engine built with ``cuda_streams``); 1 runs batches one by one.
 
     Raises:
         XgrError: a limit below 1.
@@ -132,11 +134,13 @@ class RequestBatcher:
         metrics: ServingMetrics | None = None,
         max_batch_tokens: int = 1 << 20,
         max_queue: int = 4096,
+        max_inflight: int = 1,
     ) -> None:
         for name, value in (
             ("max_batch_size", max_batch_size),
             ("max_batch_tokens", max_batch_tokens),
             ("max_queue", max_queue),
+            ("max_inflight", max_inflight),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise XgrError(f"{name} must be an integer >= 1, got {value!r}")
@@ -144,6 +148,7 @@ class RequestBatcher:
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
         self.max_queue = max_queue
+        self.max_inflight = max_inflight
         self.metrics = metrics
         catalog = getattr(engine, "catalog", None)
         self.levels = catalog.num_levels if catalog is not None else 1
@@ -151,8 +156,9 @@ class RequestBatcher:
         self._waiting: list[QueuedRequest] = []
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
-        self._running = 0
-        self._batch: list[QueuedRequest] = []  # taken from the queue, not all answered yet
+        self._batches: list[list[QueuedRequest]] = []  # taken from the queue, running
+        self._runs: set[asyncio.Task] = set()
+        self._slots: asyncio.Semaphore | None = None
         self._closing = False
 
     def cost(self, request: QueuedRequest) -> int:
@@ -163,6 +169,7 @@ class RequestBatcher:
         """Start the scheduling loop on the running event loop."""
         if self._task is None:
             self._wakeup = asyncio.Event()
+            self._slots = asyncio.Semaphore(self.max_inflight)
             self._closing = False
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
@@ -179,10 +186,10 @@ class RequestBatcher:
         self._closing = True
         if drain and self._task is not None:
             end = time.perf_counter() + timeout
-            busy = self._waiting or self._batch
+            busy = self._waiting or self._batches
             while busy and not self._task.done() and time.perf_counter() < end:
                 await asyncio.sleep(0.01)
-                busy = self._waiting or self._batch
+                busy = self._waiting or self._batches
         if self._task is not None:
             self._task.cancel()
             try:
@@ -190,10 +197,13 @@ class RequestBatcher:
             except BaseException:  # cancelled, or died earlier: either way it is over
                 pass
             self._task = None
-        for request in [*self._batch, *self._waiting]:
+        for run in list(self._runs):
+            run.cancel()
+        unanswered = [r for batch in self._batches for r in batch] + self._waiting
+        for request in unanswered:
             if not request.future.done():
                 request.future.set_exception(ShuttingDownError("the server is shutting down"))
-        self._batch, self._waiting = [], []
+        self._batches, self._waiting, self._runs = [], [], set()
 
     async def submit(self, request: QueuedRequest) -> Answer:
         """Queue a request and wait for its answer.
@@ -303,24 +313,39 @@ class RequestBatcher:
             if not self._waiting:
                 self._wakeup.clear()
                 await self._wakeup.wait()
-            self._batch = batch = self._next_batch()
-            try:
-                if batch:
-                    await self._run(batch, batch[0].beam_width, batch[0].top_k)
-            except Exception as exc:  # a broken answer fails its batch, never the loop
-                for request in batch:
-                    if not request.future.done():
-                        request.future.set_exception(
-                            XgrError(f"the engine call failed: {type(exc).__name__}: {exc}")
-                        )
-            self._batch = []
+            await self._slots.acquire()  # a free engine lane (one, unless max_inflight > 1)
+            batch = self._next_batch()
+            if not batch:
+                self._slots.release()
+                continue
+            self._batches.append(batch)
+            run = asyncio.get_running_loop().create_task(self._run_safely(batch))
+            self._runs.add(run)
+            run.add_done_callback(self._runs.discard)
+            if self.max_inflight == 1:
+                await asyncio.wait({run})  # one batch at a time: form the next when it ends
+
+    async def _run_safely(self, batch: list[QueuedRequest]) -> None:
+        """Run one batch; whatever goes wrong fails its own requests, never the loop."""
+        try:
+            await self._run(batch, batch[0].beam_width, batch[0].top_k)
+        except Exception as exc:
+            for request in batch:
+                if not request.future.done():
+                    request.future.set_exception(
+                        XgrError(f"the engine call failed: {type(exc).__name__}: {exc}")
+                    )
+        finally:
+            if batch in self._batches:
+                self._batches.remove(batch)
+            self._slots.release()
+            self._report_load()
 
     async def _run(self, group: list[QueuedRequest], beam_width: int, top_k: int) -> None:
         live = [r for r in group if not r.future.done()]  # the client may have gone
         if not live:
             return
         started = time.perf_counter()
-        self._running = len(live)
         self._report_load()
         if self.metrics:
             self.metrics.observe_batch(len(live))
@@ -346,9 +371,6 @@ class RequestBatcher:
                 if not request.future.done():
                     request.future.set_exception(exc)
             return
-        finally:
-            self._running = 0
-            self._report_load()
         finished = time.perf_counter()
         if not isinstance(results, list) or len(results) != len(live):
             raise XgrError(f"expected {len(live)} results, got {type(results).__name__}")
@@ -369,4 +391,5 @@ class RequestBatcher:
 
     def _report_load(self) -> None:
         if self.metrics:
-            self.metrics.set_load(self._running, len(self._waiting))
+            running = sum(len(b) for b in self._batches)
+            self.metrics.set_load(running, len(self._waiting))

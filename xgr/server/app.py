@@ -89,7 +89,12 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     metrics = ServingMetrics(engine.name)
     batcher = RequestBatcher(
-        engine, config.max_batch_size, metrics, config.max_batch_tokens, config.max_queue
+        engine,
+        config.max_batch_size,
+        metrics,
+        config.max_batch_tokens,
+        config.max_queue,
+        config.streams,
     )
     state = {"ready": False, "started": int(time.time())}
 

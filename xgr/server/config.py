@@ -20,6 +20,7 @@ class ServerConfig:
         max_body_bytes: largest request body accepted (larger: 413).
         max_batch_tokens: most scheduled tokens (prompt + beam width x levels) per call.
         max_queue: most requests waiting for a batch (more: 429).
+        streams: batches in flight at once (the engine needs as many ``cuda_streams``).
     """
 
     max_beam_width: int = 512
@@ -28,12 +29,14 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20
     max_batch_tokens: int = 1 << 20
     max_queue: int = 4096
+    streams: int = 1
 
     def __post_init__(self) -> None:
         names = ("max_beam_width", "default_beam_width", "max_batch_size", "max_body_bytes")
-        for name in (*names, "max_batch_tokens", "max_queue"):
-            if getattr(self, name) < 1:
-                raise XgrError(f"ServerConfig.{name} must be >= 1")
+        for name in (*names, "max_batch_tokens", "max_queue", "streams"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise XgrError(f"ServerConfig.{name} must be an integer >= 1, got {value!r}")
         if self.default_beam_width > self.max_beam_width:
             raise XgrError("ServerConfig.default_beam_width exceeds max_beam_width")
 
