@@ -124,6 +124,16 @@ def _engine_options(func):
     return command
 
 
+# Batches in flight at once (serve, and bench serve in-process).
+_STREAMS_OPTION = click.option(
+    "--streams",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 16),
+    help="Batches in flight at once, each on its own CUDA stream (GPU only).",
+)
+
+
 @click.group()
 @click.option("-v", "--verbose", is_flag=True, help="Log what the engine does.")
 def main(verbose: bool) -> None:
@@ -271,13 +281,7 @@ def evaluate(source, k, beam_width, max_users, output) -> None:
     help="Scheduled tokens (prompt + beam width x levels) per engine call.",
 )
 @click.option("--max-queue", default=4096, show_default=True, help="Waiting requests (then 429).")
-@click.option(
-    "--streams",
-    default=1,
-    show_default=True,
-    type=click.IntRange(1, 16),
-    help="Batches in flight at once, each on its own CUDA stream (GPU only).",
-)
+@_STREAMS_OPTION
 def serve(
     source,
     host,
@@ -331,13 +335,7 @@ def bench() -> None:
     "--max-batch-size", default=32, show_default=True, type=click.IntRange(1), help="In-process."
 )
 @click.option("--seed", default=0, show_default=True)
-@click.option(
-    "--streams",
-    default=1,
-    show_default=True,
-    type=click.IntRange(1, 16),
-    help="In-process: batches in flight, each on its own CUDA stream (GPU only).",
-)
+@_STREAMS_OPTION
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
 @click.option(
     "--plot",
