@@ -29,16 +29,28 @@ LATENCY_BUDGET_MS = 200.0
 MAX_ERROR_FRACTION = 0.01
 
 
-def history_sampler(item_ids: Sequence[str], length: int, seed: int) -> Callable[[], list[str]]:
-    """Random histories of ``length`` distinct items from the catalog.
+def history_sampler(
+    item_ids: Sequence[str], length: int, seed: int, spread: float = 0.0
+) -> Callable[[], list[str]]:
+    """Random histories of about ``length`` distinct items from the catalog.
+
+    Args:
+        item_ids: the catalog's item ids.
+        length: items per history.
+        seed: random seed.
+        spread: each history's length is drawn uniformly within length x (1 +- spread).
 
     Raises:
-        XgrError: length < 1 or more than the catalog holds.
+        XgrError: a length outside 1..catalog size (after the spread) or spread not in [0, 1).
     """
-    if not 1 <= length <= len(item_ids):
-        raise XgrError(f"history length must be 1..{len(item_ids)}, got {length}")
+    if not 0 <= spread < 1:
+        raise XgrError(f"spread must be in [0, 1), got {spread}")
+    low, high = max(1, round(length * (1 - spread))), round(length * (1 + spread))
+    if length < 1 or high > len(item_ids):
+        raise XgrError(f"history length must be 1..{len(item_ids)}, got {length} (+-{spread:.0%})")
     rng = random.Random(seed)
-    return lambda: rng.sample(list(item_ids), length)
+    items = list(item_ids)  # once: sampling from a sequence needs no copy per history
+    return lambda: rng.sample(items, rng.randint(low, high))
 
 
 def http_sender(client: Any, beam_width: int, num_results: int, deadline_ms: int | None) -> Send:
