@@ -401,3 +401,60 @@ def test_batches_in_flight_run_concurrently_up_to_the_limit():
     assert [a.result.prompt_tokens for a in answers] == [3] * 8
     assert state["most"] == 2  # two engine calls at once, never three
     assert time.perf_counter() - started < 0.1 * 4 * 0.9  # 4 batches overlapped in pairs
+
+
+class CancellingEngine(RecordingEngine):
+    def recommend(self, prompts, **kwargs):
+        time.sleep(0.1)
+        raise asyncio.CancelledError()
+
+
+def test_drain_never_leaves_a_request_hanging_when_the_engine_cancels():
+    async def scenario():
+        batcher = RequestBatcher(CancellingEngine(), max_inflight=2)
+        batcher.start()
+        pending = asyncio.ensure_future(batcher.submit(request(0)))
+        await asyncio.sleep(0.02)
+        await batcher.stop(drain=True)
+        return await asyncio.wait_for(pending, 2)
+
+    with pytest.raises(XgrError):
+        asyncio.run(scenario())
+
+
+def test_a_restarted_scheduler_keeps_its_in_flight_limit():
+    engine = RecordingEngine(delay=0.2)
+    lock, state = threading.Lock(), {"restarted": False, "now": 0, "most": 0}
+    inner = engine.recommend
+
+    def counting(*args, **kwargs):
+        with lock:  # count only the calls of the restarted scheduler
+            mine = state["restarted"]
+            if mine:
+                state["now"] += 1
+                state["most"] = max(state["most"], state["now"])
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            if mine:
+                with lock:
+                    state["now"] -= 1
+
+    engine.recommend = counting
+
+    async def scenario():
+        batcher = RequestBatcher(engine, max_batch_size=1, max_inflight=2)
+        batcher.start()
+        first = asyncio.ensure_future(run_concurrently(batcher, [request(i) for i in range(2)]))
+        await asyncio.sleep(0.05)
+        await batcher.stop()  # two batches were running: their slots must not leak
+        state["restarted"] = True
+        batcher.start()  # at once, as a restart would
+        answers = await run_concurrently(batcher, [request(i) for i in range(6)])
+        await batcher.stop(drain=True)
+        await first
+        return answers
+
+    answers = asyncio.run(scenario())
+    assert all(a.result.prompt_tokens == 3 for a in answers)
+    assert state["most"] == 2

@@ -197,13 +197,16 @@ class RequestBatcher:
             except BaseException:  # cancelled, or died earlier: either way it is over
                 pass
             self._task = None
-        for run in list(self._runs):
+        runs = list(self._runs)
+        for run in runs:
             run.cancel()
         unanswered = [r for batch in self._batches for r in batch] + self._waiting
+        await asyncio.gather(*runs, return_exceptions=True)  # they fail their own batches
         for request in unanswered:
             if not request.future.done():
                 request.future.set_exception(ShuttingDownError("the server is shutting down"))
         self._batches, self._waiting, self._runs = [], [], set()
+        self._report_load()
 
     async def submit(self, request: QueuedRequest) -> Answer:
         """Queue a request and wait for its answer.
@@ -319,14 +322,17 @@ class RequestBatcher:
                 self._slots.release()
                 continue
             self._batches.append(batch)
-            run = asyncio.get_running_loop().create_task(self._run_safely(batch))
+            run = asyncio.get_running_loop().create_task(self._run_safely(batch, self._slots))
             self._runs.add(run)
             run.add_done_callback(self._runs.discard)
             if self.max_inflight == 1:
                 await asyncio.wait({run})  # one batch at a time: form the next when it ends
 
-    async def _run_safely(self, batch: list[QueuedRequest]) -> None:
-        """Run one batch; whatever goes wrong fails its own requests, never the loop."""
+    async def _run_safely(self, batch: list[QueuedRequest], slots: asyncio.Semaphore) -> None:
+        """Run one batch; whatever goes wrong fails its own requests, never the loop.
+
+        ``slots`` is the semaphore this run holds (a restarted scheduler has a new one).
+        """
         try:
             await self._run(batch, batch[0].beam_width, batch[0].top_k)
         except Exception as exc:
@@ -336,9 +342,12 @@ class RequestBatcher:
                         XgrError(f"the engine call failed: {type(exc).__name__}: {exc}")
                     )
         finally:
+            for request in batch:  # cancelled (stop) or otherwise cut short: never left hanging
+                if not request.future.done():
+                    request.future.set_exception(ShuttingDownError("the server is shutting down"))
             if batch in self._batches:
                 self._batches.remove(batch)
-            self._slots.release()
+            slots.release()
             self._report_load()
 
     async def _run(self, group: list[QueuedRequest], beam_width: int, top_k: int) -> None:

@@ -94,7 +94,9 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         metrics,
         config.max_batch_tokens,
         config.max_queue,
-        config.streams,
+        # More batches in flight than the engine has lanes would only queue them in threads,
+        # past the scheduler's deadline checks.
+        min(config.streams, getattr(engine, "lanes", 1)),
     )
     state = {"ready": False, "started": int(time.time())}
 
