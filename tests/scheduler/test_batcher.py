@@ -372,22 +372,32 @@ def test_submit_all_admits_together_or_not_at_all():
     assert sorted(p[0] for c in engine.calls for p in c[0]) == [0, 1, 2]
 
 
-def test_batches_in_flight_run_concurrently_up_to_the_limit():
-    engine = RecordingEngine(delay=0.1)
+def count_concurrent_calls(engine, counted=lambda state: True) -> dict:
+    """Wrap ``engine.recommend`` to track the most calls running at once (``state["most"]``),
+    counting only calls that start while ``counted(state)`` holds."""
     lock, state = threading.Lock(), {"now": 0, "most": 0}
     inner = engine.recommend
 
     def counting(*args, **kwargs):
         with lock:
-            state["now"] += 1
-            state["most"] = max(state["most"], state["now"])
+            mine = counted(state)
+            if mine:
+                state["now"] += 1
+                state["most"] = max(state["most"], state["now"])
         try:
             return inner(*args, **kwargs)
         finally:
-            with lock:
-                state["now"] -= 1
+            if mine:
+                with lock:
+                    state["now"] -= 1
 
     engine.recommend = counting
+    return state
+
+
+def test_batches_in_flight_run_concurrently_up_to_the_limit():
+    engine = RecordingEngine(delay=0.1)
+    state = count_concurrent_calls(engine)
 
     async def scenario():
         batcher = RequestBatcher(engine, max_batch_size=2, max_inflight=2)
@@ -424,23 +434,8 @@ def test_drain_never_leaves_a_request_hanging_when_the_engine_cancels():
 
 def test_a_restarted_scheduler_keeps_its_in_flight_limit():
     engine = RecordingEngine(delay=0.2)
-    lock, state = threading.Lock(), {"restarted": False, "now": 0, "most": 0}
-    inner = engine.recommend
-
-    def counting(*args, **kwargs):
-        with lock:  # count only the calls of the restarted scheduler
-            mine = state["restarted"]
-            if mine:
-                state["now"] += 1
-                state["most"] = max(state["most"], state["now"])
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            if mine:
-                with lock:
-                    state["now"] -= 1
-
-    engine.recommend = counting
+    state = count_concurrent_calls(engine, counted=lambda state: state["restarted"])
+    state["restarted"] = False
 
     async def scenario():
         batcher = RequestBatcher(engine, max_batch_size=1, max_inflight=2)
