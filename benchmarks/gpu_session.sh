@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One phase of a GPU session on the lent H200, sized to fit one device call (<= 10 min).
+# Results go to $OUT (the device tool brings them back); copy the JSON worth keeping into
+# benchmarks/results/ with the date and GPU in the name.
+#
+#   bash benchmarks/gpu_session.sh tests       # GPU-only tests (kernels, graphs, streams)
+#   bash benchmarks/gpu_session.sh attention   # decode attention table
+#   bash benchmarks/gpu_session.sh e2e         # whole-request latency table + HF
+#   bash benchmarks/gpu_session.sh profile     # kernel time of one request (L=1000, 5000)
+#   bash benchmarks/gpu_session.sh serving     # req/s within P99 200 ms, batching vs not
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+OUT="${OUT:-/tmp/xgr-gpu}"
+mkdir -p "$OUT"
+case "${1:?phase: tests|attention|e2e|profile|serving}" in
+  tests)
+    # fastapi/uvicorn are absent on the device machine: only the engine's tests run there.
+    timeout 400 python3 -m pytest -q -rs tests/kernels tests/beam tests/engine/test_engine_cuda.py \
+      tests/models/test_fuse.py 2>&1 | grep -v "^\.*$" | tail -30
+    ;;
+  attention)
+    timeout 300 python3 benchmarks/attention.py --output "$OUT/attention.json" 2>&1 | tail -40
+    ;;
+  e2e)
+    timeout 540 python3 benchmarks/e2e_latency.py --output "$OUT/e2e.json" 2>&1 | tail -46
+    ;;
+  profile)
+    for L in 1000 5000; do
+      timeout 200 python3 benchmarks/profile_request.py --prompt-len "$L" --beam 256 \
+        --output "$OUT/profile-L$L.json" 2>&1 | grep -v "USDT\|profiler_st" | tail -28
+    done
+    ;;
+  serving)
+    timeout 560 python3 benchmarks/serving_throughput.py --configs 0 1 --duration 4 \
+      --output "$OUT/serving.json" 2>&1 | tail -40
+    ;;
+  *)
+    echo "unknown phase $1" >&2
+    exit 2
+    ;;
+esac
