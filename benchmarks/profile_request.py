@@ -95,7 +95,8 @@ def main() -> None:
             times.append((time.perf_counter() - start) * 1e3)
         return statistics.median(times[2:])
 
-    report = {"shape": args.shape, "prompt_len": args.prompt_len, "beam_width": beam}
+    shape = "tiny" if args.tiny else args.shape
+    report = {"shape": shape, "prompt_len": args.prompt_len, "beam_width": beam}
     report.update(requests=args.requests, eager_ms=timed(engine), graph_ms=timed(graphed))
     with torch.inference_mode():
         inputs = prepare_inputs(prompts, engine.device)
@@ -114,8 +115,9 @@ def main() -> None:
             )
             sync()
     lines = [
-        f"{args.shape} L={args.prompt_len} B={beam} R={args.requests}: eager "
-        f"{report['eager_ms']:.1f} ms, CUDA graphs {report['graph_ms']:.1f} ms"
+        f"{shape} L={args.prompt_len} B={beam} R={args.requests}: eager "
+        f"{report['eager_ms']:.1f} ms, {'CUDA graphs' if cuda else 'default path'} "
+        f"{report['graph_ms']:.1f} ms"
     ]
     for phase, prof in (("prefill", prof_prefill), ("decode levels", prof_decode)):
         families, top = kernel_table(prof, cuda)

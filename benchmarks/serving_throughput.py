@@ -156,7 +156,7 @@ def main() -> None:
         plot_path = args.output.with_name(f"{args.output.stem}-{shape}-L{length}-B{beam}.png")
         _plot(figures, plot_path, f"{shape}, prompt ~{length}, beam {beam}")
         args.output.write_text(json.dumps(report, indent=1) + "\n")
-    print("\nhighest rate with P99 <= 200 ms (requests/s):")
+    print("\nthroughput at the highest rate with P99 <= 200 ms (requests/s):")
     for row in report["results"]:
         best = {k: v["throughput_within_budget"] for k, v in row["settings"].items()}
         print(f"  {row['shape']} L~{row['prompt_len']} B={row['beam_width']}: {best}")

@@ -107,6 +107,7 @@ def test_expired_deadline_is_refused_before_running():
 
     expired, ok = asyncio.run(scenario())
     assert isinstance(expired, DeadlineExceededError)
+    assert "before the request was queued" in str(expired)
     assert ok.result.prompt_tokens == 3
     assert [p[0] for c in engine.calls for p in c[0]] == [1]
 

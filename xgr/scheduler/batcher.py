@@ -247,8 +247,11 @@ class RequestBatcher:
             backlog = sum(self.cost(r) for r in self._waiting)
             retry = max(1, math.ceil(self.latency.predict(backlog)))
             raise QueueFullError(f"{len(self._waiting)} requests are waiting", retry)
-        ahead = time.perf_counter() + self.latency.predict(sum(self.cost(r) for r in self._waiting))
+        now = time.perf_counter()
+        ahead = now + self.latency.predict(sum(self.cost(r) for r in self._waiting))
         for request in requests:
+            if request.deadline is not None and now > request.deadline:
+                raise DeadlineExceededError("the deadline passed before the request was queued")
             if request.deadline is not None and ahead > request.deadline:
                 late_ms = (ahead - request.deadline) * 1e3
                 raise DeadlineExceededError(
