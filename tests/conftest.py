@@ -102,14 +102,29 @@ def served_model_dir(tmp_path_factory) -> Path:
     return path
 
 
+def wait_until_ready(base_url: str, timeout: float) -> bool:
+    """Poll ``/ready`` until it answers 200 (True) or ``timeout`` seconds pass (False)."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base_url}/ready", timeout=1).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    return False
+
+
 @contextlib.contextmanager
 def live_server(app) -> Iterator[str]:
     """Serve ``app`` with uvicorn on a free 127.0.0.1 port in a thread; yields the base URL."""
     import socket
     import threading
-    import time
 
-    import httpx
     import uvicorn
 
     with socket.socket() as sock:
@@ -121,15 +136,7 @@ def live_server(app) -> Iterator[str]:
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/ready", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    else:
+    if not wait_until_ready(base, 60):
         server.should_exit = True
         raise RuntimeError("the test server did not become ready")
     try:

@@ -282,18 +282,7 @@ def evaluate(source, k, beam_width, max_users, output) -> None:
 )
 @click.option("--max-queue", default=4096, show_default=True, help="Waiting requests (then 429).")
 @_STREAMS_OPTION
-def serve(
-    source,
-    host,
-    port,
-    max_beam_width,
-    default_beam_width,
-    max_batch_size,
-    max_body_bytes,
-    max_batch_tokens,
-    max_queue,
-    streams,
-) -> None:
+def serve(source, host, port, **limits) -> None:
     """Serve the HTTP API: recommend, completions, models, health, ready, metrics."""
     import uvicorn
 
@@ -301,18 +290,10 @@ def serve(
     from xgr.server.config import ServerConfig
 
     try:
-        config = ServerConfig(
-            max_beam_width,
-            default_beam_width,
-            max_batch_size,
-            max_body_bytes,
-            max_batch_tokens,
-            max_queue,
-            streams,
-        )
+        config = ServerConfig(**limits)  # the options are named as its fields
     except XgrError as exc:
         _fail(exc)
-    engine = source.load(cuda_streams=streams)
+    engine = source.load(cuda_streams=config.streams)
     uvicorn.run(create_app(engine, config), host=host, port=port)
 
 

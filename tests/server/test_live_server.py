@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.conftest import live_server
+from tests.conftest import live_server, wait_until_ready
 from xgr import Client, Engine
 from xgr.client import ServerError
 from xgr.server.app import create_app
@@ -152,15 +152,7 @@ def test_sigterm_finishes_admitted_requests(served_model_dir):
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        else:
-            raise AssertionError("server did not start")
+        assert wait_until_ready(url, 90), "server did not start"
         catalog = Engine.from_pretrained(served_model_dir).catalog
         bodies = [{**b, "beam_width": 256} for b in random_requests(catalog, 40, seed=5)]
 
