@@ -75,18 +75,11 @@ def engine_sender(
 ) -> Send:
     """Requests straight into a running ``RequestBatcher`` (the server's path without HTTP).
 
-    Refusals are labelled with the HTTP status the server would give (429, 503, 504, 400).
+    Refusals are labelled with the HTTP status the server would give (``http_status``).
     """
     import time
 
-    from xgr.scheduler import (
-        DeadlineExceededError,
-        QueuedRequest,
-        QueueFullError,
-        ShuttingDownError,
-    )
-
-    HTTP_STATUS = ((QueueFullError, 429), (ShuttingDownError, 503), (DeadlineExceededError, 504))
+    from xgr.scheduler import QueuedRequest, http_status
 
     async def send(history: list[str]) -> str:
         arrived = time.perf_counter()
@@ -98,7 +91,7 @@ def engine_sender(
         try:
             await batcher.submit(request)
         except XgrError as exc:  # labelled as the server would answer it
-            return str(next((s for cls, s in HTTP_STATUS if isinstance(exc, cls)), 400))
+            return str(http_status(exc))
         return "ok"
 
     return send

@@ -250,13 +250,11 @@ def decode_levels(
 
 def allocate_shared_kv(model: CausalLM, inputs: BatchInputs) -> SharedKV:
     """Prompt KV buffers sized exactly for one batch (the eager path)."""
-    cfg = model.config
-    shape = (cfg.num_layers, inputs.num_tokens, cfg.num_kv_heads, cfg.head_dim)
-    weight = model.lm_head.weight
-    k = torch.empty(shape, dtype=weight.dtype, device=weight.device)
-    return SharedKV(
-        k, torch.empty_like(k), inputs.cu_seqlens, list(np.diff(inputs.cu_seqlens_host))
-    )
+    cfg, weight = model.config, model.lm_head.weight
+    return SharedKV.allocate(
+        cfg.num_layers, inputs.seqlens, cfg.num_kv_heads, cfg.head_dim,
+        weight.dtype, weight.device, inputs.cu_seqlens,
+    )  # fmt: skip
 
 
 @torch.inference_mode()

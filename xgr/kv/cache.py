@@ -45,15 +45,24 @@ class SharedKV:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> SharedKV:
+        """Buffers for prompts of ``seqlens`` tokens.
+
+        Args:
+            cu_seqlens: the (R + 1,) int64 offsets, already on ``device``; None: made from
+                seqlens (a host-to-device copy, which the sync-free generation path avoids).
+        """
         total = sum(seqlens)
         shape = (num_layers, total, num_kv_heads, head_dim)
-        cu = torch.zeros(len(seqlens) + 1, dtype=torch.int64)
-        cu[1:] = torch.cumsum(torch.tensor(seqlens, dtype=torch.int64), 0)
+        if cu_seqlens is None:
+            cu = torch.zeros(len(seqlens) + 1, dtype=torch.int64)
+            cu[1:] = torch.cumsum(torch.tensor(seqlens, dtype=torch.int64), 0)
+            cu_seqlens = cu.to(device)
         return cls(
             torch.empty(shape, dtype=dtype, device=device),
             torch.empty(shape, dtype=dtype, device=device),
-            cu.to(device),
+            cu_seqlens,
             list(seqlens),
         )
 

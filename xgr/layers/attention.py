@@ -10,6 +10,7 @@ from torch import nn
 from xgr.kernels.decode_attention import decode_attention_reference
 from xgr.kernels.prefill_attention import prefill_attention
 from xgr.kv import BeamKV, SharedKV
+from xgr.layers.linear import concat_linears
 from xgr.layers.norm import RMSNorm
 from xgr.layers.rotary import apply_rope
 
@@ -85,26 +86,15 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.qkv_proj: nn.Linear | None = None
 
-    @torch.no_grad()
     def fuse_projections(self) -> None:
         """Replace q_proj, k_proj and v_proj by one ``qkv_proj`` (their rows concatenated).
 
         One GEMM instead of three per layer; done after the checkpoint is loaded (the HF
         names are kept until then). Idempotent.
         """
-        if self.qkv_proj is not None:
-            return
-        parts = (self.q_proj, self.k_proj, self.v_proj)
-        weight = parts[0].weight
-        fused = nn.Linear(
-            weight.shape[1], sum(p.weight.shape[0] for p in parts),
-            bias=parts[0].bias is not None, device=weight.device, dtype=weight.dtype,
-        )  # fmt: skip
-        fused.weight.copy_(torch.cat([p.weight for p in parts]))
-        if fused.bias is not None:
-            fused.bias.copy_(torch.cat([p.bias for p in parts]))
-        self.qkv_proj = fused
-        del self.q_proj, self.k_proj, self.v_proj
+        if self.qkv_proj is None:
+            self.qkv_proj = concat_linears(self.q_proj, self.k_proj, self.v_proj)
+            del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
         self,

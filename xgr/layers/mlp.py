@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from xgr.layers.linear import concat_linears
+
 _ACTIVATIONS = {
     "silu": F.silu,
     "gelu": F.gelu,
@@ -27,21 +29,11 @@ class GatedMLP(nn.Module):
         self.silu = act == "silu"
         self.gate_up_proj: nn.Linear | None = None
 
-    @torch.no_grad()
     def fuse_projections(self) -> None:
         """Replace gate_proj and up_proj by one ``gate_up_proj`` (rows concatenated). Idempotent."""
-        if self.gate_up_proj is not None:
-            return
-        gate, up = self.gate_proj, self.up_proj
-        fused = nn.Linear(
-            gate.weight.shape[1], 2 * gate.weight.shape[0], bias=gate.bias is not None,
-            device=gate.weight.device, dtype=gate.weight.dtype,
-        )  # fmt: skip
-        fused.weight.copy_(torch.cat([gate.weight, up.weight]))
-        if fused.bias is not None:
-            fused.bias.copy_(torch.cat([gate.bias, up.bias]))
-        self.gate_up_proj = fused
-        del self.gate_proj, self.up_proj
+        if self.gate_up_proj is None:
+            self.gate_up_proj = concat_linears(self.gate_proj, self.up_proj)
+            del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:  # one GEMM; gate and up are column views

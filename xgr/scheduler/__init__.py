@@ -8,6 +8,7 @@ from xgr.scheduler.batcher import (
     QueueFullError,
     RequestBatcher,
     ShuttingDownError,
+    http_status,
 )
 from xgr.scheduler.metrics import ServingMetrics
 
@@ -20,4 +21,5 @@ __all__ = [
     "RequestBatcher",
     "ServingMetrics",
     "ShuttingDownError",
+    "http_status",
 ]

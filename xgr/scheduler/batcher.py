@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from xgr.core import RecommendResult, XgrError
+from xgr.core import ModelOutputError, PromptTooLongError, RecommendResult, XgrError
 from xgr.scheduler.metrics import RequestTimes, ServingMetrics
 
 # Reported for every answered request: all semantic IDs have a fixed number of levels.
@@ -49,6 +49,20 @@ class QueueFullError(XgrError):
 
 class ShuttingDownError(XgrError):
     """The scheduler is draining or stopped and admits no new request (503)."""
+
+
+def http_status(exc: XgrError) -> int:
+    """The HTTP status a serving error is answered with (the server's and the in-process
+    load generator's one table): 500 model failure, 413 prompt too long, 429 queue full,
+    503 shutting down, 504 deadline; any other ``XgrError`` is bad input (400)."""
+    table = (
+        (ModelOutputError, 500),  # the model's numbers, not the request, are at fault
+        (PromptTooLongError, 413),
+        (QueueFullError, 429),
+        (ShuttingDownError, 503),
+        (DeadlineExceededError, 504),
+    )
+    return next((status for cls, status in table if isinstance(exc, cls)), 400)
 
 
 @dataclass

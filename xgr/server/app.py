@@ -24,15 +24,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from xgr.catalog import resolve_history
-from xgr.core import ModelOutputError, PromptTooLongError, SearchParams, XgrError
+from xgr.core import SearchParams, XgrError
 from xgr.engine import Engine
 from xgr.scheduler import (
-    DeadlineExceededError,
     QueuedRequest,
     QueueFullError,
     RequestBatcher,
     ServingMetrics,
-    ShuttingDownError,
+    http_status,
 )
 from xgr.server.completions import completion_prompts, completion_response
 from xgr.server.config import BodySizeLimit, ServerConfig
@@ -66,14 +65,6 @@ POST_ERRORS: dict[int | str, dict[str, Any]] = {
     500: _error("The model produced no finite score (a numerical failure)."),
     503: _error("The server is shutting down."),
     504: _error("The deadline passed, or cannot be met, before the request could start."),
-}
-STATUS_OF = {
-    ModelOutputError: 500,  # the model's numbers, not the request, are at fault
-    ModelNotFoundError: 404,
-    PromptTooLongError: 413,
-    QueueFullError: 429,
-    ShuttingDownError: 503,
-    DeadlineExceededError: 504,
 }
 # How often a waiting request checks whether its client is still connected (seconds).
 DISCONNECT_POLL_S = 0.05
@@ -121,7 +112,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
     @app.exception_handler(XgrError)
     async def bad_input(_: Request, exc: XgrError) -> JSONResponse:
-        status = next((s for cls, s in STATUS_OF.items() if isinstance(exc, cls)), 400)
+        status = 404 if isinstance(exc, ModelNotFoundError) else http_status(exc)
         headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, QueueFullError) else None
         return JSONResponse(status_code=status, content={"error": str(exc)}, headers=headers)
 
