@@ -102,17 +102,16 @@ class Engine:
         cuda = self.device.type == "cuda"
         if isinstance(cuda_streams, bool) or not isinstance(cuda_streams, int) or cuda_streams < 1:
             raise XgrError(f"cuda_streams must be an integer >= 1, got {cuda_streams!r}")
-        self.graphs = CudaGraphs(model) if cuda_graphs and cuda else None
-        # Lanes run batches concurrently; lane 0 is the current stream with ``self.graphs``.
-        self._lanes: queue.SimpleQueue[int] = queue.SimpleQueue()
-        self._lane_state: list[tuple[Any, Any]] = [(None, None)]
         lanes = cuda_streams if cuda else 1
-        if lanes > 1:  # every lane on a stream of its own, none on the default stream
-            self._lane_state = [(torch.cuda.Stream(self.device), self.graphs)]
+        self.graphs = CudaGraphs(model) if cuda_graphs and cuda else None
+        # Lanes run batches concurrently. One lane runs on the current stream; several each
+        # get a stream of their own. Lane 0 replays ``self.graphs``, the others their own.
+        self._streams = (
+            [torch.cuda.Stream(self.device) for _ in range(lanes)] if lanes > 1 else [None]
+        )
+        self._lane_graphs = [CudaGraphs(model) if cuda_graphs else None for _ in range(lanes - 1)]
+        self._lanes: queue.SimpleQueue[int] = queue.SimpleQueue()
         for lane in range(lanes):
-            if lane:
-                graphs = CudaGraphs(model) if cuda_graphs else None
-                self._lane_state.append((torch.cuda.Stream(self.device), graphs))
             self._lanes.put(lane)
         if self.max_prompt_tokens < 1:
             raise XgrError(
@@ -192,7 +191,7 @@ class Engine:
     @property
     def lanes(self) -> int:
         """Batches this engine runs at once (``cuda_streams`` on CUDA, else 1)."""
-        return len(self._lane_state)
+        return len(self._streams)
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -287,8 +286,8 @@ class Engine:
             return []
         lane = self._lanes.get()  # blocks while every lane runs a batch
         try:
-            stream, graphs = self._lane_state[lane]
-            graphs = self.graphs if lane == 0 else graphs  # lane 0 follows ``self.graphs``
+            stream = self._streams[lane]
+            graphs = self._lane_graphs[lane - 1] if lane else self.graphs
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 out = generate_semantic_ids(
                     self.decode_spec, tokenized, search.beam_width, search.top_k, graphs

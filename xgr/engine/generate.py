@@ -45,14 +45,12 @@ class GenerationOutput:
         scores: (R, B) float32 summed log-probabilities; -inf where no valid path was left.
         prefill_ms: time of prefill (ms; device time on CUDA, from events).
         decode_ms: time of the selections and decode steps (ms; device time on CUDA).
-        graph: whether the decode levels replayed a CUDA graph.
     """
 
     sid_index: torch.Tensor
     scores: torch.Tensor
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
-    graph: bool = False
 
 
 @dataclass
@@ -316,4 +314,4 @@ def _generate(spec, prompts, beam_width, top_k, graphs) -> GenerationOutput:
         prefill_ms, decode_ms = events[0].elapsed_time(events[1]), events[1].elapsed_time(events[2])
     else:
         prefill_ms, decode_ms = (prefilled - start) * 1e3, (done - prefilled) * 1e3
-    return GenerationOutput(nodes, scores, prefill_ms, decode_ms, use_graph)
+    return GenerationOutput(nodes, scores, prefill_ms, decode_ms)

@@ -90,7 +90,6 @@ def prefill_attention(
         cu_seqlens_device: (R + 1,) int32 copy of cu_seqlens on q's device; made here if None
             (a host-to-device copy, which callers on the graph path avoid by passing it).
         max_seqlen: the longest prompt (tokens); computed from cu_seqlens if None.
-
         packed: force (True) or forbid (False) the packed launch; None: ``prefer_packed``.
 
     Returns:

@@ -200,10 +200,10 @@ class RequestBatcher:
         self._closing = True
         if drain and self._task is not None:
             end = time.perf_counter() + timeout
-            busy = self._waiting or self._batches
-            while busy and not self._task.done() and time.perf_counter() < end:
+            while (self._waiting or self._batches) and not self._task.done():
+                if time.perf_counter() >= end:
+                    break
                 await asyncio.sleep(0.01)
-                busy = self._waiting or self._batches
         if self._task is not None:
             self._task.cancel()
             try:
