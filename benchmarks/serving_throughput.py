@@ -45,6 +45,7 @@ from xgr.bench.serve import (  # noqa: E402
     LoadPlan,
     bench_in_process,
     history_sampler,
+    within_budget,
 )
 
 # (shape, prompt length, beam width): the issue's goal configurations first.
@@ -52,15 +53,6 @@ CONFIGS = [("qwen2.5-0.5b", 1000, 256), ("qwen3-1.7b", 5000, 256), ("qwen2.5-0.5
 TINY_CONFIGS = [("tiny", 60, 16)]
 RATE_STEP = 1.5
 MAX_STEPS = 12
-
-
-def within_budget(point) -> bool:
-    failed = point.requests - point.ok
-    return (
-        point.p99_ms is not None
-        and point.p99_ms <= LATENCY_BUDGET_MS
-        and failed <= 0.01 * point.requests
-    )
 
 
 def sweep(engine, plan_for, start_rate: float, max_batch_size: int) -> dict:

@@ -125,17 +125,21 @@ async def run_levels(
     return points
 
 
+def within_budget(point: LoadPoint) -> bool:
+    """P99 of the successful requests <= 200 ms, and at most 1% of requests failed (refusals
+    are not fast answers)."""
+    failed = point.requests - point.ok
+    return (
+        point.p99_ms is not None
+        and point.p99_ms <= LATENCY_BUDGET_MS
+        and failed <= MAX_ERROR_FRACTION * point.requests
+    )
+
+
 def write_report(points: list[LoadPoint], settings: dict[str, Any], path: Path) -> dict:
-    """The JSON report: settings, one entry per load level, and the best throughput within
-    budget (P99 of the successful requests <= 200 ms, and at most 1% of requests failed:
-    refusals are not fast answers)."""
-    within = [
-        p
-        for p in points
-        if p.p99_ms is not None
-        and p.p99_ms <= LATENCY_BUDGET_MS
-        and p.requests - p.ok <= MAX_ERROR_FRACTION * p.requests
-    ]
+    """The JSON report: settings, one entry per load level, and the best throughput among
+    the levels ``within_budget``."""
+    within = [p for p in points if within_budget(p)]
     report = {
         "settings": settings,
         "latency_budget_ms": LATENCY_BUDGET_MS,
