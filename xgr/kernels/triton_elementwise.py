@@ -18,25 +18,33 @@ import torch
 import triton
 import triton.language as tl
 
+# Elements one program of a row-wise kernel handles: rows are tiled until a tile holds this
+# many, so short rows (a 128-wide head in q/k norm and RoPE) do not leave programs idle.
+TILE_ELEMENTS = 4096
+
+
+def _rows_per_program(width: int) -> int:
+    return max(1, TILE_ELEMENTS // triton.next_power_of_2(width))
+
 
 @triton.jit
 def _rms_norm_kernel(
-    X, DELTA, W, OUT, SUM, stride_x, stride_d, stride_o, stride_s, dim, eps,
-    ADD: tl.constexpr, BLOCK: tl.constexpr,
+    X, DELTA, W, OUT, SUM, rows, stride_x, stride_d, stride_o, stride_s, dim, eps,
+    ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)
+    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs = tl.arange(0, BLOCK)
-    ok = offs < dim
-    x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0)
+    ok = (r < rows)[:, None] & (offs < dim)[None, :]
+    x = tl.load(X + r[:, None] * stride_x + offs[None, :], mask=ok, other=0.0)
     if ADD:  # residual add, rounded to the model dtype as the reference's ``x + delta``
-        x = x + tl.load(DELTA + row * stride_d + offs, mask=ok, other=0.0)
-        tl.store(SUM + row * stride_s + offs, x, mask=ok)
+        x = x + tl.load(DELTA + r[:, None] * stride_d + offs[None, :], mask=ok, other=0.0)
+        tl.store(SUM + r[:, None] * stride_s + offs[None, :], x, mask=ok)
     x32 = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / dim + eps)
-    y = (x32 * rstd).to(OUT.dtype.element_ty)
-    w = tl.load(W + offs, mask=ok, other=0.0)
-    out = y.to(tl.float32) * w.to(tl.float32)
-    tl.store(OUT + row * stride_o + offs, out.to(OUT.dtype.element_ty), mask=ok)
+    rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, 1) / dim + eps)
+    y = (x32 * rstd[:, None]).to(OUT.dtype.element_ty)
+    w = tl.load(W + offs, mask=offs < dim, other=0.0)
+    out = y.to(tl.float32) * w.to(tl.float32)[None, :]
+    tl.store(OUT + r[:, None] * stride_o + offs[None, :], out.to(OUT.dtype.element_ty), mask=ok)
 
 
 def rms_norm(
@@ -77,11 +85,13 @@ def rms_norm(
         if delta.stride(-1) != 1:
             raise ValueError("the last dimension must be contiguous")
         total = torch.empty_like(out)
-    if x2.shape[0]:
-        _rms_norm_kernel[(x2.shape[0],)](
-            x2, delta, weight, out, total,
+    rows = x2.shape[0]
+    block_m = _rows_per_program(dim)
+    if rows:
+        _rms_norm_kernel[(triton.cdiv(rows, block_m),)](
+            x2, delta, weight, out, total, rows,
             x2.stride(0), delta.stride(0), out.stride(0), total.stride(0), dim, eps,
-            ADD=residual is not None, BLOCK=triton.next_power_of_2(dim),
+            ADD=residual is not None, BLOCK_M=block_m, BLOCK=triton.next_power_of_2(dim),
             num_warps=4 if dim <= 2048 else 8,
         )  # fmt: skip
     out = out.view(x.shape)
@@ -128,27 +138,30 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _rope_kernel(
-    X, COS, SIN, OUT, heads, stride_xt, stride_xh, stride_ct, stride_ot, stride_oh,
-    HALF: tl.constexpr,
+    X, COS, SIN, OUT, rows, heads, stride_xt, stride_xh, stride_ct, stride_ot, stride_oh,
+    HALF: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)
-    t = row // heads
-    h = row % heads
-    offs = tl.arange(0, HALF)
-    x_ptr = X + t * stride_xt + h * stride_xh
-    lo = tl.load(x_ptr + offs).to(tl.float32)
-    hi = tl.load(x_ptr + HALF + offs).to(tl.float32)
-    c_lo = tl.load(COS + t * stride_ct + offs).to(tl.float32)
-    c_hi = tl.load(COS + t * stride_ct + HALF + offs).to(tl.float32)
-    s_lo = tl.load(SIN + t * stride_ct + offs).to(tl.float32)
-    s_hi = tl.load(SIN + t * stride_ct + HALF + offs).to(tl.float32)
+    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # (token, head) rows
+    ok = (r < rows)[:, None]
+    t = (r // heads)[:, None]
+    h = (r % heads)[:, None]
+    offs = tl.arange(0, HALF)[None, :]
+    x_ptr = X + t * stride_xt + h * stride_xh + offs
+    lo = tl.load(x_ptr, mask=ok, other=0.0).to(tl.float32)
+    hi = tl.load(x_ptr + HALF, mask=ok, other=0.0).to(tl.float32)
+    c_ptr = COS + t * stride_ct + offs
+    s_ptr = SIN + t * stride_ct + offs
+    c_lo = tl.load(c_ptr, mask=ok, other=0.0).to(tl.float32)
+    c_hi = tl.load(c_ptr + HALF, mask=ok, other=0.0).to(tl.float32)
+    s_lo = tl.load(s_ptr, mask=ok, other=0.0).to(tl.float32)
+    s_hi = tl.load(s_ptr + HALF, mask=ok, other=0.0).to(tl.float32)
     dtype = OUT.dtype.element_ty
     # x * cos + rotate_half(x) * sin, each product rounded as the reference rounds it.
     out_lo = (lo * c_lo).to(dtype).to(tl.float32) + (-hi * s_lo).to(dtype).to(tl.float32)
     out_hi = (hi * c_hi).to(dtype).to(tl.float32) + (lo * s_hi).to(dtype).to(tl.float32)
-    o_ptr = OUT + t * stride_ot + h * stride_oh
-    tl.store(o_ptr + offs, out_lo.to(dtype))
-    tl.store(o_ptr + HALF + offs, out_hi.to(dtype))
+    o_ptr = OUT + t * stride_ot + h * stride_oh + offs
+    tl.store(o_ptr, out_lo.to(dtype), mask=ok)
+    tl.store(o_ptr + HALF, out_hi.to(dtype), mask=ok)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -174,9 +187,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if sin.stride() != cos.stride():
         raise ValueError(f"cos and sin need the same strides, got {cos.stride()}, {sin.stride()}")
     out = torch.empty(tokens, heads, head_dim, dtype=x.dtype, device=x.device)
-    if tokens:
-        _rope_kernel[(tokens * heads,)](
-            x, cos, sin, out, heads, x.stride(0), x.stride(1), cos.stride(0),
-            out.stride(0), out.stride(1), HALF=half, num_warps=1 if half <= 64 else 2,
+    rows = tokens * heads
+    block_m = _rows_per_program(head_dim)
+    if rows:
+        _rope_kernel[(triton.cdiv(rows, block_m),)](
+            x, cos, sin, out, rows, heads, x.stride(0), x.stride(1), cos.stride(0),
+            out.stride(0), out.stride(1), HALF=half, BLOCK_M=block_m, num_warps=4,
         )  # fmt: skip
     return out
