@@ -365,6 +365,9 @@ def bench_serve(
             beam_width, num_results, deadline_ms, rates, concurrencies, duration,
         )  # fmt: skip
         if url is None:
+            # Capture the CUDA graphs first: the first batch of each shape would pay for it.
+            sample = engine.tokenize(engine.history_prompt(plan.histories(), truncate=True))
+            engine.warm_up(len(sample), beam_width, beam_width, max_batch_size, spread=0.0)
             coroutine = bench.bench_in_process(engine, plan, max_batch_size)
         else:
             coroutine = bench.bench_http(url, plan)

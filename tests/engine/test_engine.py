@@ -360,3 +360,18 @@ def test_concurrent_calls_on_lanes_equal_calls_one_by_one(model_dirs):
         ]
     with pytest.raises(XgrError, match="cuda_streams"):
         make_engine(model_dirs, catalog, cuda_streams=0)
+
+
+def test_warm_up_checks_arguments_and_captures_nothing_on_the_cpu(model_dirs):
+    engine = make_engine(model_dirs, random_catalog(200, 3, 16, seed=21))
+    assert engine.warm_up(30, 8, 8, 4) == 0
+    for args, message in [
+        ((0, 8, 8, 4), "prompt_tokens >= 1"),
+        ((30, 8, 8, 0), "max_batch_size >= 1"),
+        ((30, 8, 8, 4, 1.0), "spread < 1"),
+        ((30, 0, 8, 4), "beam_width"),
+    ]:
+        with pytest.raises(XgrError, match=message):
+            engine.warm_up(*args)
+    with pytest.raises(XgrError, match="exceed"):
+        engine.warm_up(engine.max_prompt_tokens, 8, 8, 1)

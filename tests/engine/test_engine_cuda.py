@@ -117,6 +117,26 @@ def test_prefill_and_decode_make_no_host_sync(model_dirs):
     assert (nodes == eager_nodes).float().mean() > 0.9  # bf16: near-ties may swap
 
 
+def test_one_packed_prefill_graph_serves_every_batch_size_of_a_bucket(model_dirs):
+    from xgr.engine.generate import prefill, prepare_inputs
+
+    catalog = random_catalog(600, 3, 16, seed=15)
+    engine = Engine.from_pretrained(
+        model_dirs["qwen3"], catalog, device="cuda", dtype="bfloat16",
+        sid_token_ids=sequential_sid_map(3, 16, 8),
+    )  # fmt: skip
+    graphs, gen = engine.graphs, torch.Generator().manual_seed(16)
+    for lengths in ((30, 41), (10, 20, 33), (5,) * 9, (2, 60, 1, 7)):
+        prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in lengths]
+        with torch.inference_mode(), graphs.lock:
+            inputs = prepare_inputs(prompts, engine.device)
+            last = graphs.replay_prefill(inputs).clone()
+            expected = prefill(engine.model, inputs, graphs.shared_kv(inputs))
+        assert last.shape == expected.shape == (len(lengths), engine.model.config.hidden_size)
+        torch.testing.assert_close(last, expected, atol=2e-2, rtol=2e-2)
+    assert graphs.captures == 1  # batches of 2, 3, 4 and 9 requests: one bucket, one graph
+
+
 def test_pool_growth_recaptures_and_large_batches_run_eagerly(model_dirs, caplog, monkeypatch):
     from xgr.engine import cuda_graph
 
@@ -191,3 +211,25 @@ def test_two_streams_run_batches_concurrently_with_the_same_results(model_dirs):
     with ThreadPoolExecutor(4) as pool:
         got = list(pool.map(lambda b: sid_lists(two.recommend(b, 16, 16, 16)), batches))
     assert got == expected
+
+
+def test_warm_up_captures_every_shape_the_load_then_needs(model_dirs):
+    from concurrent.futures import ThreadPoolExecutor
+
+    catalog = random_catalog(600, 3, 16, seed=17)
+    engine = Engine.from_pretrained(
+        model_dirs["qwen3"], catalog, device="cuda", dtype="bfloat16",
+        sid_token_ids=sequential_sid_map(3, 16, 8), cuda_streams=2,
+    )  # fmt: skip
+    captured = engine.warm_up(40, 16, 16, max_batch_size=4, spread=0.2)
+    lanes = [engine.graphs, *engine._lane_graphs]
+    assert captured == sum(g.captures for g in lanes) and captured >= 2 * (4 + 1)
+    gen = torch.Generator().manual_seed(18)
+    batches = [
+        [torch.randint(0, 96, (int(n),), generator=gen).tolist() for n in
+         torch.randint(32, 49, (int(size),), generator=gen)]
+        for size in torch.randint(1, 5, (40,), generator=gen)
+    ]  # fmt: skip
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda b: engine.recommend(b, 16, 16, 5), batches))
+    assert sum(g.captures for g in lanes) == captured

@@ -4,13 +4,16 @@ Eager PyTorch pays a host launch for every kernel (hundreds per forward); on the
 that set a floor of about 20 ms on a prefill whatever its length. Graphs replay the same work
 with no host involvement:
 
-- **prefill** graphs are keyed by (requests, padded tokens): the batch's packed prompts are
-  followed by one padding segment up to a bucket size (multiples of ``PREFILL_BUCKET``
-  tokens, of ``PREFILL_BUCKET_LARGE`` above ``PREFILL_LARGE_FROM``), so prompts of any
-  lengths with the same total bucket reuse one graph. Padding tokens form their own
-  sequence: with one request a causal attention over the whole buffer leaves the real
-  tokens' results unchanged (padding comes last); with several, packed flash attention
-  keeps sequences apart by their device offsets.
+- **prefill** graphs are keyed by padded tokens (and, for several requests, a power-of-two
+  bound on the sequence length): the batch's packed prompts are followed by padding up to a
+  bucket size (eight buckets per power of two, at least ``PREFILL_BUCKET`` tokens apart, so
+  at most 1/8 of a prefill is padding), so prompts of any lengths with the same total reuse
+  one graph. Padding tokens form their own sequences: with one request a causal attention
+  over the whole buffer leaves the real tokens' results unchanged (padding comes last);
+  with several, packed flash attention keeps sequences apart by their device offsets, and
+  the requests a batch lacks (up to ``max_requests``) stand in as one-token sequences of
+  the padding, so one graph serves every batch size: under load the set of graphs stays
+  small (a graph per (requests, bucket) pair thrashed the cache and captured per batch).
 - **decode** graphs are keyed by (requests, beam width, top-k) and hold every level's
   selection, decode forward and KV bookkeeping; prompt lengths enter only through device
   tensors (offsets and lengths read by the kernels).
@@ -39,14 +42,22 @@ logger = logging.getLogger(__name__)
 # The prompt-KV pool grows in powers of two from this many tokens.
 MIN_POOL_TOKENS = 4096
 PREFILL_BUCKET = 256
-PREFILL_BUCKET_LARGE = 1024
-PREFILL_LARGE_FROM = 4096
+BUCKETS_PER_OCTAVE = 8
 
 
 def prefill_bucket(num_tokens: int) -> int:
-    """Padded token count of a prefill graph: above num_tokens (one padding token at least)."""
-    step = PREFILL_BUCKET if num_tokens < PREFILL_LARGE_FROM else PREFILL_BUCKET_LARGE
+    """Padded token count of a prefill graph: above num_tokens (one padding token at least).
+
+    Multiples of max(PREFILL_BUCKET, 2**floor(log2 n) / BUCKETS_PER_OCTAVE): padding is at
+    most an eighth of a long prefill, and the buckets up to 64k tokens number about 50.
+    """
+    top = 1 << max(num_tokens.bit_length() - 1, 0)
+    step = max(PREFILL_BUCKET, top // BUCKETS_PER_OCTAVE)
     return (num_tokens // step + 1) * step
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 @dataclass
@@ -74,7 +85,7 @@ class CudaGraphs:
         model,
         max_requests: int = 64,
         max_prefill_tokens: int = 65536,
-        max_graphs: int = 32,
+        max_graphs: int = 128,
     ) -> None:
         self.model = model
         self.max_requests = max_requests
@@ -106,7 +117,7 @@ class CudaGraphs:
         """
         if inputs.num_requests > 1 and self.model.lm_head.weight.dtype == torch.float32:
             return False
-        if prefill_bucket(inputs.num_tokens) <= self.max_prefill_tokens:
+        if self._prefill_shape(inputs)[1] <= self.max_prefill_tokens:
             return True
         logger.info(
             "prefill of %d tokens is above the CUDA-graph limit %d: running it eagerly",
@@ -143,7 +154,7 @@ class CudaGraphs:
         return SharedKV(self._pool_k, self._pool_v, inputs.cu_seqlens, inputs.seqlens)
 
     def replay_prefill(self, inputs) -> torch.Tensor:
-        """Prefill a batch from its (requests, padded tokens) graph; writes the pool's KV.
+        """Prefill a batch from its bucket's graph (``prefill_key``); writes the pool's KV.
 
         Returns:
             (R, hidden) graph-owned final hidden state of each prompt's last token.
@@ -151,22 +162,21 @@ class CudaGraphs:
         from xgr.engine.generate import PREFILL_PAD_TOKEN
         from xgr.layers.attention import PrefillMetadata
 
-        total, num = inputs.num_tokens, inputs.num_requests
-        padded = prefill_bucket(total)
+        num = inputs.num_requests
+        slots, padded, max_seqlen = self._prefill_shape(inputs)
+        key = ("prefill", slots, padded, max_seqlen)  # == prefill_key(inputs.seqlens)
         self.shared_kv(inputs, padded)
-        key = ("prefill", num, padded)
         entry = self._graphs.get(key)
         if entry is None:
-            tokens = torch.full(
-                (padded,), PREFILL_PAD_TOKEN, dtype=torch.int64, device=inputs.tokens.device
-            )
+            device = inputs.tokens.device
+            tokens = torch.full((padded,), PREFILL_PAD_TOKEN, dtype=torch.int64, device=device)
             positions = torch.zeros_like(tokens)
-            cu = torch.full((num + 2,), padded, dtype=torch.int32, device=tokens.device)
-            last = inputs.last_index.clone()
+            cu = torch.full((slots + 2,), padded, dtype=torch.int32, device=device)
+            last = torch.zeros(slots, dtype=torch.int64, device=device)
             shared = SharedKV(self._pool_k, self._pool_v, cu, [])
             # One request: a causal pass over the whole buffer (padding last changes nothing
             # before it); several: packed flash attention keeps the sequences apart.
-            meta = PrefillMetadata(shared, [0, padded], cu, padded, packed=num > 1)
+            meta = PrefillMetadata(shared, [0, padded], cu, max_seqlen, packed=num > 1)
 
             def run():
                 hidden = self.model(tokens, positions, meta)
@@ -178,16 +188,44 @@ class CudaGraphs:
             self._graphs.move_to_end(key)
             self._fill_prefill(entry.inputs, inputs)
         entry.graph.replay()
-        return entry.outputs[0]
+        return entry.outputs[0][:num]
+
+    def prefill_key(self, prompt_lens: list[int]) -> tuple | None:
+        """The graph a batch of prompts of these lengths (tokens) replays for its prefill;
+        None where that prefill runs eagerly (too many requests or tokens, float32 batches)."""
+        total, num = sum(prompt_lens), len(prompt_lens)
+        shape = self._shape(total, num, max(prompt_lens))
+        eager = num > 1 and self.model.lm_head.weight.dtype == torch.float32
+        if eager or num > self.max_requests or shape[1] > self.max_prefill_tokens:
+            return None
+        return ("prefill", *shape)
+
+    def _prefill_shape(self, inputs) -> tuple[int, int, int]:
+        return self._shape(inputs.num_tokens, inputs.num_requests, inputs.max_seqlen)
+
+    def _shape(self, total: int, num: int, max_seqlen: int) -> tuple[int, int, int]:
+        """(request slots, padded tokens, max sequence length) of a batch's prefill graph."""
+        if num == 1:
+            padded = prefill_bucket(total)
+            return 1, padded, padded
+        # The absent requests stand in as one-token sequences, then one tail of padding.
+        slots = self.max_requests
+        padded = prefill_bucket(total + slots - num)
+        tail = padded - total - (slots - num)
+        return slots, padded, _next_power_of_two(max(max_seqlen, tail))
 
     @staticmethod
     def _fill_prefill(static, inputs) -> None:
         tokens, positions, cu, last = static
-        total = inputs.num_tokens
+        total, num = inputs.num_tokens, inputs.num_requests
         tokens[:total].copy_(inputs.tokens)
         positions[:total].copy_(inputs.positions)
-        cu[: inputs.num_requests + 1].copy_(inputs.cu_seqlens)
-        last.copy_(inputs.last_index)
+        cu[: num + 1].copy_(inputs.cu_seqlens)
+        stand_ins = last.shape[0] - num
+        if stand_ins:  # offsets total+1 .. total+stand_ins end the stand-ins' sequences
+            steps = torch.arange(1, stand_ins + 1, dtype=torch.int32, device=cu.device)
+            torch.add(steps, total, out=cu[num + 1 : num + 1 + stand_ins])
+        last[:num].copy_(inputs.last_index)
 
     def replay_decode(self, spec, last_hidden, inputs, beam_width: int, top_k: int):
         """Run the decode levels of a prefilled batch from its shape's graph.

@@ -24,7 +24,7 @@ from xgr.core import (
     XgrError,
 )
 from xgr.engine.cuda_graph import CudaGraphs
-from xgr.engine.generate import DecodeSpec, generate_semantic_ids
+from xgr.engine.generate import PREFILL_PAD_TOKEN, DecodeSpec, generate_semantic_ids
 from xgr.engine.prompt import PromptFormat
 from xgr.models import CausalLM, load_causal_lm
 from xgr.models.sid_vocab import (
@@ -310,6 +310,65 @@ class Engine:
             result.prefill_ms, result.decode_ms = out.prefill_ms, out.decode_ms
             results.append(result)
         return results
+
+    def warm_up(
+        self,
+        prompt_tokens: int,
+        beam_width: int,
+        top_k: int,
+        max_batch_size: int,
+        spread: float = 0.2,
+    ) -> int:
+        """Capture, on every lane, the CUDA graphs that batches of such requests replay.
+
+        Under load the first batch of each shape would otherwise pay for its capture (a
+        warm-up forward plus the capture itself, tens to hundreds of ms) and miss its
+        deadline. Runs batches of 1..max_batch_size prompts whose lengths cover
+        prompt_tokens x (1 +- spread), one per prefill bucket they fall in; a no-op on the CPU.
+
+        Args:
+            prompt_tokens: typical prompt length (tokens), >= 1.
+            beam_width, top_k: the search parameters requests will use.
+            max_batch_size: the scheduler's largest batch (requests).
+            spread: relative spread of prompt lengths around prompt_tokens, in [0, 1).
+
+        Returns:
+            Graphs captured (all lanes together).
+
+        Raises:
+            XgrError: bad arguments, or prompts longer than ``max_prompt_tokens``.
+        """
+        SearchParams(beam_width, top_k, 1)
+        if not 0 <= spread < 1 or prompt_tokens < 1 or max_batch_size < 1:
+            raise XgrError(
+                f"need prompt_tokens >= 1, max_batch_size >= 1 and 0 <= spread < 1, got "
+                f"{prompt_tokens}, {max_batch_size}, {spread}"
+            )
+        longest = int(prompt_tokens * (1 + spread))
+        if longest > self.max_prompt_tokens:
+            raise PromptTooLongError(
+                f"warm-up prompts of {longest} tokens exceed {self.max_prompt_tokens}"
+            )
+        lanes = [self.graphs, *self._lane_graphs]
+        if self.device.type != "cuda" or lanes[0] is None:
+            return 0
+        before = sum(g.captures for g in lanes)
+        shortest = max(1, int(prompt_tokens * (1 - spread)))
+        for stream, graphs in zip(self._streams, lanes, strict=True):
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                for size in range(1, max_batch_size + 1):
+                    seen = set()
+                    for total in range(size * shortest, size * longest + 1, 32):
+                        lens = [total // size + (i < total % size) for i in range(size)]
+                        key = graphs.prefill_key(lens)
+                        if key not in seen:
+                            seen.add(key)
+                            prompts = [[PREFILL_PAD_TOKEN] * n for n in lens]
+                            generate_semantic_ids(
+                                self.decode_spec, prompts, beam_width, top_k, graphs
+                            )
+        torch.cuda.synchronize(self.device)
+        return sum(g.captures for g in lanes) - before
 
     def _result(
         self,
