@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
-import pytest
+import threading
+import time
 
-from xgr.engine.cuda_graph import prefill_bucket
+import pytest
+import torch
+
+from xgr.engine.cuda_graph import CaptureGate, CudaGraphs, _padding_segments, prefill_bucket
+from xgr.models import CausalLM
+from xgr.models.config import DecoderConfig
+
+
+def tiny_model(dtype):
+    raw = dict(
+        model_type="qwen2", vocab_size=96, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    with torch.device("meta"):
+        return CausalLM(DecoderConfig.from_hf(raw)).to(dtype)
 
 
 @pytest.mark.parametrize(
@@ -22,3 +37,53 @@ def test_prefill_buckets_pad_little_and_stay_few():
     # at most an eighth of a long prefill is padding (256 tokens below 2048)
     assert all(prefill_bucket(n) - n <= max(256, n / 8) for n in range(1, 65_536, 7))
     assert len(buckets) <= 64
+
+
+def test_capture_gate_runs_a_capture_alone():
+    gate, events = CaptureGate(), []
+    release_first = threading.Event()
+
+    def run(kind, name, hold=None):
+        with gate.exclusive() if kind == "capture" else gate.shared():
+            events.append(f"{name} in")
+            if hold is not None:
+                hold.wait(5)
+            else:
+                time.sleep(0.05)
+            events.append(f"{name} out")
+
+    first = threading.Thread(target=run, args=("batch", "a", release_first))
+    first.start()
+    while "a in" not in events:
+        time.sleep(0.001)
+    capture = threading.Thread(target=run, args=("capture", "c"))
+    capture.start()
+    time.sleep(0.05)
+    later = threading.Thread(target=run, args=("batch", "b"))  # arrives while c waits
+    later.start()
+    time.sleep(0.05)
+    assert events == ["a in"]  # c waits for a; b waits behind the pending capture
+    release_first.set()
+    for t in (first, capture, later):
+        t.join(5)
+    assert events == ["a in", "a out", "c in", "c out", "b in", "b out"]
+
+
+def test_packed_prefill_keys_do_not_depend_on_the_batch_size():
+    graphs = CudaGraphs(tiny_model(torch.bfloat16), max_requests=16)
+    keys = {
+        graphs.prefill_key(lens) for lens in ([30, 41], [10, 20, 33], [5] * 8 + [40], [2, 60, 1])
+    }
+    assert keys == {("prefill", 16, 256, 64)}
+    assert graphs.prefill_key([100]) == ("prefill", 1, 256, 256)  # alone: causal, no slots
+    assert graphs.prefill_key([1] * 17) is None  # above max_requests: eager
+    assert graphs.prefill_key([40_000, 40_000]) is None  # above max_prefill_tokens
+    assert CudaGraphs(tiny_model(torch.float32)).prefill_key([3, 4]) is None  # fp32: eager
+
+
+@pytest.mark.parametrize(("padding", "stand_ins"), [(1, 0), (70, 62), (5000, 3), (300, 299)])
+def test_padding_segments_cover_the_padding(padding, stand_ins):
+    seg, last = _padding_segments(padding, stand_ins)
+    assert seg >= 1 or stand_ins == 0
+    assert last >= 1 and seg * stand_ins + last == padding
+    assert last <= seg + stand_ins + 1

@@ -11,8 +11,8 @@ with no host involvement:
   one graph. Padding tokens form their own sequences: with one request a causal attention
   over the whole buffer leaves the real tokens' results unchanged (padding comes last);
   with several, packed flash attention keeps sequences apart by their device offsets, and
-  the requests a batch lacks (up to ``max_requests``) stand in as one-token sequences of
-  the padding, so one graph serves every batch size: under load the set of graphs stays
+  the requests a batch lacks (up to ``max_requests``) stand in as sequences of the
+  padding, so one graph serves every batch size: under load the set of graphs stays
   small (a graph per (requests, bucket) pair thrashed the cache and captured per batch).
 - **decode** graphs are keyed by (requests, beam width, top-k) and hold every level's
   selection, decode forward and KV bookkeeping; prompt lengths enter only through device
@@ -28,6 +28,7 @@ run eagerly, with a log line.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections import OrderedDict
@@ -60,6 +61,61 @@ def _next_power_of_two(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def _padding_segments(padding: int, stand_ins: int) -> tuple[int, int]:
+    """Lengths of a packed prefill's padding sequences: ``stand_ins`` of the first value (the
+    absent requests), then one of the second (the rest); padding > stand_ins tokens.
+
+    Spreading the padding keeps every sequence short, so the attention's max-length bound
+    (and with it the grid) follows the real prompts.
+    """
+    seg = padding // (stand_ins + 1)
+    return seg, padding - stand_ins * seg
+
+
+class CaptureGate:
+    """Lets batches on several lanes run at once, but a batch that captures a graph alone.
+
+    A capture in progress breaks when another thread launches work meanwhile (seen on the
+    H200: "operation failed due to a previous error during capture", and PyTorch's RNG
+    refusing an offset increment), so a capturing batch waits for the running ones to end
+    and holds the others back; new batches wait while a capture is pending (no starvation).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._running = 0
+        self._capturing = False
+        self._pending = 0
+
+    @contextlib.contextmanager
+    def shared(self):
+        """Hold while running a batch that captures nothing."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._capturing and not self._pending)
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._running -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        """Hold while running a batch that captures a graph (or grows a KV pool)."""
+        with self._cond:
+            self._pending += 1
+            self._cond.wait_for(lambda: not self._capturing and not self._running)
+            self._pending -= 1
+            self._capturing = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._capturing = False
+                self._cond.notify_all()
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -85,7 +141,7 @@ class CudaGraphs:
         model,
         max_requests: int = 64,
         max_prefill_tokens: int = 65536,
-        max_graphs: int = 128,
+        max_graphs: int = 512,
     ) -> None:
         self.model = model
         self.max_requests = max_requests
@@ -190,15 +246,28 @@ class CudaGraphs:
         entry.graph.replay()
         return entry.outputs[0][:num]
 
+    def needs_capture(self, prompt_lens: list[int], beam_width: int, top_k: int) -> bool:
+        """Whether running this batch would capture a graph or grow the KV pool."""
+        num = len(prompt_lens)
+        if num > self.max_requests:
+            return False  # eager
+        key = self.prefill_key(prompt_lens)
+        if (key[2] if key else sum(prompt_lens)) > self.pool_tokens:
+            return True
+        if key is not None and key not in self._graphs:
+            return True
+        return ("decode", num, beam_width, top_k) not in self._graphs
+
     def prefill_key(self, prompt_lens: list[int]) -> tuple | None:
         """The graph a batch of prompts of these lengths (tokens) replays for its prefill;
         None where that prefill runs eagerly (too many requests or tokens, float32 batches)."""
         total, num = sum(prompt_lens), len(prompt_lens)
-        shape = self._shape(total, num, max(prompt_lens))
-        eager = num > 1 and self.model.lm_head.weight.dtype == torch.float32
-        if eager or num > self.max_requests or shape[1] > self.max_prefill_tokens:
+        if num > self.max_requests or (
+            num > 1 and self.model.lm_head.weight.dtype == torch.float32
+        ):
             return None
-        return ("prefill", *shape)
+        shape = self._shape(total, num, max(prompt_lens))
+        return None if shape[1] > self.max_prefill_tokens else ("prefill", *shape)
 
     def _prefill_shape(self, inputs) -> tuple[int, int, int]:
         return self._shape(inputs.num_tokens, inputs.num_requests, inputs.max_seqlen)
@@ -208,11 +277,11 @@ class CudaGraphs:
         if num == 1:
             padded = prefill_bucket(total)
             return 1, padded, padded
-        # The absent requests stand in as one-token sequences, then one tail of padding.
         slots = self.max_requests
         padded = prefill_bucket(total + slots - num)
-        tail = padded - total - (slots - num)
-        return slots, padded, _next_power_of_two(max(max_seqlen, tail))
+        _, longest = _padding_segments(padded - total, slots - num)
+        # A power of two: the bound is a graph key, and few keys cover any batch.
+        return slots, padded, _next_power_of_two(max(max_seqlen, longest))
 
     @staticmethod
     def _fill_prefill(static, inputs) -> None:
@@ -222,9 +291,10 @@ class CudaGraphs:
         positions[:total].copy_(inputs.positions)
         cu[: num + 1].copy_(inputs.cu_seqlens)
         stand_ins = last.shape[0] - num
-        if stand_ins:  # offsets total+1 .. total+stand_ins end the stand-ins' sequences
-            steps = torch.arange(1, stand_ins + 1, dtype=torch.int32, device=cu.device)
-            torch.add(steps, total, out=cu[num + 1 : num + 1 + stand_ins])
+        if stand_ins:
+            seg, _ = _padding_segments(tokens.shape[0] - total, stand_ins)
+            ends = torch.arange(1, stand_ins + 1, dtype=torch.int32, device=cu.device) * seg
+            torch.add(ends, total, out=cu[num + 1 : num + 1 + stand_ins])
         last[:num].copy_(inputs.last_index)
 
     def replay_decode(self, spec, last_hidden, inputs, beam_width: int, top_k: int):

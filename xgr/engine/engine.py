@@ -23,7 +23,7 @@ from xgr.core import (
     SearchParams,
     XgrError,
 )
-from xgr.engine.cuda_graph import CudaGraphs
+from xgr.engine.cuda_graph import CaptureGate, CudaGraphs
 from xgr.engine.generate import PREFILL_PAD_TOKEN, DecodeSpec, generate_semantic_ids
 from xgr.engine.prompt import PromptFormat
 from xgr.models import CausalLM, load_causal_lm
@@ -110,6 +110,7 @@ class Engine:
             [torch.cuda.Stream(self.device) for _ in range(lanes)] if lanes > 1 else [None]
         )
         self._lane_graphs = [CudaGraphs(model) if cuda_graphs else None for _ in range(lanes - 1)]
+        self._gate = CaptureGate()  # a lane that captures a graph runs alone
         self._lanes: queue.SimpleQueue[int] = queue.SimpleQueue()
         for lane in range(lanes):
             self._lanes.put(lane)
@@ -288,7 +289,16 @@ class Engine:
         try:
             stream = self._streams[lane]
             graphs = self._lane_graphs[lane - 1] if lane else self.graphs
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            lens = [len(t) for t in tokenized]
+            alone = (
+                graphs is not None
+                and self.lanes > 1
+                and graphs.needs_capture(lens, search.beam_width, search.top_k)
+            )
+            with (
+                self._gate.exclusive() if alone else self._gate.shared(),
+                torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(),
+            ):
                 out = generate_semantic_ids(
                     self.decode_spec, tokenized, search.beam_width, search.top_k, graphs
                 )
@@ -359,14 +369,14 @@ class Engine:
                 for size in range(1, max_batch_size + 1):
                     seen = set()
                     for total in range(size * shortest, size * longest + 1, 32):
-                        lens = [total // size + (i < total % size) for i in range(size)]
-                        key = graphs.prefill_key(lens)
-                        if key not in seen:
-                            seen.add(key)
-                            prompts = [[PREFILL_PAD_TOKEN] * n for n in lens]
-                            generate_semantic_ids(
-                                self.decode_spec, prompts, beam_width, top_k, graphs
-                            )
+                        for lens in _warm_up_batches(total, size, shortest, longest):
+                            key = graphs.prefill_key(lens)
+                            if key not in seen:
+                                seen.add(key)
+                                prompts = [[PREFILL_PAD_TOKEN] * n for n in lens]
+                                generate_semantic_ids(
+                                    self.decode_spec, prompts, beam_width, top_k, graphs
+                                )
         torch.cuda.synchronize(self.device)
         return sum(g.captures for g in lanes) - before
 
@@ -391,6 +401,18 @@ class Engine:
             result.items.extend(Recommendation(i, score, codes, self.titles.get(i)) for i in items)
             taken += bool(items)
         return result
+
+
+def _warm_up_batches(total: int, size: int, shortest: int, longest: int) -> list[list[int]]:
+    """Prompt lengths of ``size`` prompts in [shortest, longest] summing to ``total``: equal
+    lengths, and one prompt as long as possible (prefill graphs are keyed by the longest)."""
+    equal = [total // size + (i < total % size) for i in range(size)]
+    if size == 1:
+        return [equal]
+    top = min(longest, total - (size - 1) * shortest)
+    rest = total - top
+    skewed = [top] + [rest // (size - 1) + (i < rest % (size - 1)) for i in range(size - 1)]
+    return [equal, skewed]
 
 
 def _item_id_set(ids: Any, index: int) -> set[str]:
