@@ -224,6 +224,7 @@ def test_warm_up_captures_every_shape_the_load_then_needs(model_dirs):
     captured = engine.warm_up(40, 16, 16, max_batch_size=4, spread=0.2)
     lanes = [engine.graphs, *engine._lane_graphs]
     assert captured == sum(g.captures for g in lanes) and captured >= 2 * (4 + 1)
+    assert all(len(g._graphs) == g.captures for g in lanes)  # none dropped by pool growth
     gen = torch.Generator().manual_seed(18)
     batches = [
         [torch.randint(0, 96, (int(n),), generator=gen).tolist() for n in

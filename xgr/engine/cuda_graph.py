@@ -193,10 +193,18 @@ class CudaGraphs:
             inputs: the batch's ``BatchInputs``.
             num_tokens: tokens the pool must hold (a padded prefill); default the batch's.
         """
-        needed = max(num_tokens or 0, inputs.num_tokens)
-        if needed > self.pool_tokens:
+        self.reserve(max(num_tokens or 0, inputs.num_tokens))
+        return SharedKV(self._pool_k, self._pool_v, inputs.cu_seqlens, inputs.seqlens)
+
+    def reserve(self, num_tokens: int) -> None:
+        """Grow the prompt-KV pool to hold ``num_tokens`` (dropping every graph) if smaller.
+
+        A warm-up reserves its largest batch first: growing later would drop the graphs
+        captured before.
+        """
+        if num_tokens > self.pool_tokens:
             tokens = MIN_POOL_TOKENS
-            while tokens < needed:
+            while tokens < num_tokens:
                 tokens *= 2
             cfg = self.model.config
             weight = self.model.lm_head.weight
@@ -207,7 +215,6 @@ class CudaGraphs:
             self._pool_v = torch.empty_like(self._pool_k)
             gib = 2 * self._pool_k.nbytes / 2**30
             logger.info("prompt-KV pool: %d tokens (%.2f GiB)", tokens, gib)
-        return SharedKV(self._pool_k, self._pool_v, inputs.cu_seqlens, inputs.seqlens)
 
     def replay_prefill(self, inputs) -> torch.Tensor:
         """Prefill a batch from its bucket's graph (``prefill_key``); writes the pool's KV.

@@ -364,19 +364,25 @@ class Engine:
             return 0
         before = sum(g.captures for g in lanes)
         shortest = max(1, int(prompt_tokens * (1 - spread)))
+        # One batch per new prefill graph or new batch size (its decode graph); the lanes'
+        # graphs have the same keys.
+        batches, keys, sizes = [], set(), set()
+        for size in range(1, max_batch_size + 1):
+            for total in range(size * shortest, size * longest + 1, 32):
+                for lens in _warm_up_batches(total, size, shortest, longest):
+                    key = lanes[0].prefill_key(lens)
+                    if key not in keys or size not in sizes:
+                        keys.add(key)
+                        sizes.add(size)
+                        batches.append(lens)
+        most = max(key[2] if key else 0 for key in keys)
+        most = max(most, max(sum(lens) for lens in batches))
         for stream, graphs in zip(self._streams, lanes, strict=True):
+            graphs.reserve(most)  # growing the pool later would drop the graphs
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                for size in range(1, max_batch_size + 1):
-                    seen = set()
-                    for total in range(size * shortest, size * longest + 1, 32):
-                        for lens in _warm_up_batches(total, size, shortest, longest):
-                            key = graphs.prefill_key(lens)
-                            if key not in seen:
-                                seen.add(key)
-                                prompts = [[PREFILL_PAD_TOKEN] * n for n in lens]
-                                generate_semantic_ids(
-                                    self.decode_spec, prompts, beam_width, top_k, graphs
-                                )
+                for lens in batches:
+                    prompts = [[PREFILL_PAD_TOKEN] * n for n in lens]
+                    generate_semantic_ids(self.decode_spec, prompts, beam_width, top_k, graphs)
         torch.cuda.synchronize(self.device)
         return sum(g.captures for g in lanes) - before
 
