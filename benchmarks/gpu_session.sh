@@ -7,7 +7,8 @@
 #   bash benchmarks/gpu_session.sh attention   # decode attention table
 #   bash benchmarks/gpu_session.sh e2e         # whole-request latency table + HF
 #   bash benchmarks/gpu_session.sh profile     # kernel time of one request (L=1000, 5000)
-#   bash benchmarks/gpu_session.sh serving     # req/s within P99 200 ms, batching vs not
+#   bash benchmarks/gpu_session.sh serving 0   # req/s within P99 200 ms, batching vs not
+#                                               (one config of serving_throughput.py each)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -32,8 +33,8 @@ case "${1:?phase: tests|attention|e2e|profile|serving}" in
     done
     ;;
   serving)
-    timeout 560 python3 benchmarks/serving_throughput.py --configs 0 1 --duration 4 \
-      --output "$OUT/serving.json" 2>&1 | tail -40
+    timeout 560 python3 benchmarks/serving_throughput.py --configs "${2:-0}" --duration 3 \
+      --output "$OUT/serving.json" 2>&1 | tee "$OUT/serving.log" | tail -40
     ;;
   *)
     echo "unknown phase $1" >&2

@@ -282,7 +282,15 @@ def evaluate(source, k, beam_width, max_users, output) -> None:
 )
 @click.option("--max-queue", default=4096, show_default=True, help="Waiting requests (then 429).")
 @_STREAMS_OPTION
-def serve(source, host, port, **limits) -> None:
+@click.option(
+    "--warm-up-tokens",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0),
+    help="On a GPU, capture before listening the CUDA graphs that batches of prompts of about "
+    "this many tokens (+-20%) need at the default beam width (0: capture on first use).",
+)
+def serve(source, host, port, warm_up_tokens, **limits) -> None:
     """Serve the HTTP API: recommend, completions, models, health, ready, metrics."""
     import uvicorn
 
@@ -294,6 +302,12 @@ def serve(source, host, port, **limits) -> None:
     except XgrError as exc:
         _fail(exc)
     engine = source.load(cuda_streams=config.streams)
+    if warm_up_tokens:
+        beam = config.default_beam_width
+        try:
+            engine.warm_up(warm_up_tokens, beam, beam, config.max_batch_size)
+        except XgrError as exc:
+            _fail(exc)
     uvicorn.run(create_app(engine, config), host=host, port=port)
 
 
