@@ -62,12 +62,12 @@ RATE_STEP = 1.5
 MAX_STEPS = 12
 
 
-def sweep(engine, plan_for, start_rate: float, max_batch_size: int) -> dict:
+def sweep(engine, plan_for, start_rate: float, max_batch_size: int, max_batch_ms) -> dict:
     """Rising open-loop rates until the budget breaks; returns the points and the best rate."""
     points, rate, best = [], start_rate, None
     for _ in range(MAX_STEPS):
         (point,) = asyncio.run(
-            bench_in_process(engine, plan_for(rate), max_batch_size, progress=False)
+            bench_in_process(engine, plan_for(rate), max_batch_size, max_batch_ms, progress=False)
         )
         points.append(point)
         print(
@@ -95,6 +95,12 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="*", default=[1, 2, 4])
     parser.add_argument("--max-batch-size", type=int, help="override each config's limit")
     parser.add_argument("--configs", type=int, nargs="*", help="indexes into CONFIGS")
+    parser.add_argument(
+        "--max-batch-ms",
+        type=float,
+        default=50.0,
+        help="also run one stream with batches capped at this predicted time (0: skip)",
+    )
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
     configs = TINY_CONFIGS if args.tiny else [CONFIGS[i] for i in (args.configs or range(3))]
@@ -122,11 +128,14 @@ def main() -> None:
         row = {"shape": shape, "prompt_len": length, "beam_width": beam, "settings": {}}
         figures = []
         # One request at a time first: its rate is where the batching sweeps start.
-        settings = [("no batching", 1, 1)] + [
-            (f"batching, {s} stream{'s' if s > 1 else ''}", max_batch, s) for s in streams
+        settings = [("no batching", 1, 1, None)] + [
+            (f"batching, {s} stream{'s' if s > 1 else ''}", max_batch, s, None) for s in streams
         ]
+        if args.max_batch_ms:
+            label = f"batching, 1 stream, batches <= {args.max_batch_ms:g} ms"
+            settings.append((label, max_batch, 1, args.max_batch_ms))
         start_rate = None
-        for label, batch_size, lanes in settings:
+        for label, batch_size, lanes, batch_ms in settings:
             engine = Engine(model, catalog, sid_map, name=shape, cuda_streams=lanes)
             began = time.perf_counter()
             captured = engine.warm_up(length, beam, beam, batch_size, SPREAD)
@@ -143,9 +152,15 @@ def main() -> None:
                     engine.recommend([engine.history_prompt(histories())], beam, beam)
                 alone_s = time.perf_counter() - began
                 row["single_request_ms"] = alone_s * 1e3
-                start_rate = max(0.5, 0.5 / alone_s)
-            result = sweep(engine, plan_for, start_rate, batch_size)
-            result.update(max_batch_size=batch_size, warm_up_graphs=captured, warm_up_s=warm_s)
+                # at least a few arrivals in the first level (a Poisson window can be empty)
+                start_rate = max(3 / args.duration, 0.5 / alone_s)
+            result = sweep(engine, plan_for, start_rate, batch_size, batch_ms)
+            result.update(
+                max_batch_size=batch_size,
+                max_batch_ms=batch_ms,
+                warm_up_graphs=captured,
+                warm_up_s=warm_s,
+            )
             row["settings"][label] = result
             flops = request_flops(model.config, length, beam, catalog.num_levels)
             if result["throughput_within_budget"] and device == "cuda":

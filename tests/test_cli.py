@@ -67,6 +67,7 @@ def test_errors_are_messages_not_tracebacks(served_model_dir, tmp_path):
         (("recommend", "--model", model, "--top-k", "0", "--history", "item3"), "top_k"),
         (("serve", "--model", model, "--port", "99999"), "99999"),
         (("serve", "--model", model, "--warm-up-tokens", "100000"), "exceed"),
+        (("serve", "--model", model, "--max-batch-ms", "0"), "max_batch_ms"),
         (("eval", "--model", model), "pass --demo"),
     ]
     for args, message in cases:

@@ -283,6 +283,13 @@ def evaluate(source, k, beam_width, max_users, output) -> None:
 @click.option("--max-queue", default=4096, show_default=True, help="Waiting requests (then 429).")
 @_STREAMS_OPTION
 @click.option(
+    "--max-batch-ms",
+    type=float,
+    default=None,
+    help="Longest predicted run time of a batch (ms); requests arriving meanwhile wait for it "
+    "(default: no limit).",
+)
+@click.option(
     "--warm-up-tokens",
     default=0,
     show_default=True,
@@ -329,6 +336,9 @@ def bench() -> None:
 @click.option(
     "--max-batch-size", default=32, show_default=True, type=click.IntRange(1), help="In-process."
 )
+@click.option(
+    "--max-batch-ms", type=float, default=None, help="In-process: longest predicted batch (ms)."
+)
 @click.option("--seed", default=0, show_default=True)
 @_STREAMS_OPTION
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
@@ -350,6 +360,7 @@ def bench_serve(
     num_results,
     deadline_ms,
     max_batch_size,
+    max_batch_ms,
     seed,
     streams,
     output,
@@ -382,7 +393,7 @@ def bench_serve(
             # Capture the CUDA graphs first: the first batch of each shape would pay for it.
             sample = engine.tokenize(engine.history_prompt(plan.histories(), truncate=True))
             engine.warm_up(len(sample), beam_width, beam_width, max_batch_size, spread=0.0)
-            coroutine = bench.bench_in_process(engine, plan, max_batch_size)
+            coroutine = bench.bench_in_process(engine, plan, max_batch_size, max_batch_ms)
         else:
             coroutine = bench.bench_http(url, plan)
         points = asyncio.run(coroutine)
@@ -396,6 +407,7 @@ def bench_serve(
         "duration_s": duration,
         "deadline_ms": deadline_ms,
         "streams": streams if url is None else None,
+        "max_batch_ms": max_batch_ms if url is None else None,
     }
     report = bench.write_report(points, settings, output)
     plot_path = plot_path or output.with_suffix(".png")

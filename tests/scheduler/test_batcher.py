@@ -205,6 +205,32 @@ def test_batch_shrinks_so_the_oldest_deadline_is_met():
     assert [len(c[0]) for c in engine.calls] == [1, 3, 2]
 
 
+def test_max_batch_ms_caps_a_batch_by_its_predicted_run_time():
+    engine = RecordingEngine()
+
+    async def scenario():
+        batcher = held_batcher(engine, max_batch_size=16, max_batch_ms=250)
+        batcher.latency.rates = [0.01]  # 11 tokens a request: 110 ms each
+        batcher.latency.observe = lambda tokens, seconds: None
+        pending = asyncio.ensure_future(run_concurrently(batcher, [request(i) for i in range(6)]))
+        await asyncio.sleep(0.05)
+        engine.release.set()
+        answers = await pending
+        await batcher.stop()
+        return answers
+
+    answers = asyncio.run(scenario())
+    assert all(not isinstance(a, Exception) for a in answers)
+    # 2 a call: 220 ms <= 250 ms < 330 ms (without the limit: one call of 6)
+    assert [len(c[0]) for c in engine.calls] == [2, 2, 2]
+
+
+@pytest.mark.parametrize("value", [0, -5, float("inf"), float("nan"), "50", True])
+def test_max_batch_ms_must_be_a_positive_number(value):
+    with pytest.raises(XgrError, match="max_batch_ms"):
+        RequestBatcher(RecordingEngine(), max_batch_ms=value)
+
+
 def test_a_deadline_that_cannot_be_met_is_refused_at_admission():
     engine = RecordingEngine()
 

@@ -205,12 +205,22 @@ class LoadPlan:
 
 
 async def bench_in_process(
-    engine: Any, plan: LoadPlan, max_batch_size: int, progress: bool = True
+    engine: Any,
+    plan: LoadPlan,
+    max_batch_size: int,
+    max_batch_ms: float | None = None,
+    progress: bool = True,
 ) -> list[LoadPoint]:
-    """The plan's levels against ``engine`` through a ``RequestBatcher`` in this process."""
+    """The plan's levels against ``engine`` through a ``RequestBatcher`` in this process
+    (``max_batch_size`` and ``max_batch_ms`` as the batcher's)."""
     from xgr.scheduler import RequestBatcher
 
-    batcher = RequestBatcher(engine, max_batch_size, max_inflight=getattr(engine, "lanes", 1))
+    batcher = RequestBatcher(
+        engine,
+        max_batch_size,
+        max_inflight=getattr(engine, "lanes", 1),
+        max_batch_ms=max_batch_ms,
+    )
     batcher.start()
     try:
         send = engine_sender(batcher, engine, plan.beam_width, plan.num_results, plan.deadline_ms)

@@ -6,8 +6,11 @@ request and, in arrival order, the waiting requests with the same beam width and
 - the batch has at most ``max_batch_size`` requests,
 - its scheduled tokens (prompt tokens + beam width x levels per request) fit
   ``max_batch_tokens``, and
-- the batch's predicted run time still lets its earliest deadline be met: the batch shrinks
-  (newest requests return to the queue) until it does, down to one request.
+- the batch's predicted run time still lets its earliest deadline be met, and stays within
+  ``max_batch_ms`` when set: the batch shrinks (newest requests return to the queue) until
+  it does, down to one request. Requests that arrive while a batch runs wait for all of it,
+  so under a P99 budget a batch should take a fraction of the budget; where prefill is
+  compute-bound (long prompts) a larger batch costs its requests' sum and gains nothing.
 
 A deadline is the time by which the answer is wanted. A batch runs all its decode steps
 together (fixed-step: no re-batching between steps). Run times are predicted from recent
@@ -63,6 +66,14 @@ def http_status(exc: XgrError) -> int:
         (DeadlineExceededError, 504),
     )
     return next((status for cls, status in table if isinstance(exc, cls)), 400)
+
+
+def check_max_batch_ms(value: float | None) -> None:
+    """Raise XgrError unless value is None or a positive, finite number (ms)."""
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf
+    ):
+        raise XgrError(f"max_batch_ms must be a positive number of ms, got {value!r}")
 
 
 @dataclass
@@ -136,9 +147,11 @@ class RequestBatcher:
         max_queue: most requests waiting; more are refused with ``QueueFullError``.
         max_inflight: engine calls running at once (batches in flight, e.g. one per CUDA
             stream of an engine built with ``cuda_streams``); 1 runs batches one by one.
+        max_batch_ms: longest predicted run time of a batch of several requests (ms), from
+            the measured seconds per token; None: no limit.
 
     Raises:
-        XgrError: a limit below 1.
+        XgrError: a limit below 1 (max_batch_ms: not a positive number).
     """
 
     def __init__(
@@ -149,6 +162,7 @@ class RequestBatcher:
         max_batch_tokens: int = 1 << 20,
         max_queue: int = 4096,
         max_inflight: int = 1,
+        max_batch_ms: float | None = None,
     ) -> None:
         for name, value in (
             ("max_batch_size", max_batch_size),
@@ -158,8 +172,10 @@ class RequestBatcher:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise XgrError(f"{name} must be an integer >= 1, got {value!r}")
+        check_max_batch_ms(max_batch_ms)
         self.engine = engine
         self.max_batch_size = max_batch_size
+        self.max_batch_ms = max_batch_ms
         self.max_batch_tokens = max_batch_tokens
         self.max_queue = max_queue
         self.max_inflight = max_inflight
@@ -320,8 +336,10 @@ class RequestBatcher:
             batch.append(request)
             tokens += cost
         while len(batch) > 1:
+            seconds = self.latency.predict(tokens)
             deadlines = [r.deadline for r in batch if r.deadline is not None]
-            if not deadlines or now + self.latency.predict(tokens) <= min(deadlines):
+            meets = not deadlines or now + seconds <= min(deadlines)
+            if meets and (self.max_batch_ms is None or seconds * 1e3 <= self.max_batch_ms):
                 break
             tokens -= self.cost(batch.pop())  # the newest waits for the next batch
         taken = set(map(id, batch))

@@ -88,6 +88,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         # More batches in flight than the engine has lanes would only queue them in threads,
         # past the scheduler's deadline checks.
         min(config.streams, getattr(engine, "lanes", 1)),
+        config.max_batch_ms,
     )
     state = {"ready": False, "started": int(time.time())}
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from xgr.core import XgrError
+from xgr.scheduler.batcher import check_max_batch_ms
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,8 @@ class ServerConfig:
         max_batch_tokens: most scheduled tokens (prompt + beam width x levels) per call.
         max_queue: most requests waiting for a batch (more: 429).
         streams: batches in flight at once (the engine needs as many ``cuda_streams``).
+        max_batch_ms: longest predicted run time of a batch of several requests (ms; None:
+            no limit), so requests arriving meanwhile wait at most about that long for it.
     """
 
     max_beam_width: int = 512
@@ -30,6 +33,7 @@ class ServerConfig:
     max_batch_tokens: int = 1 << 20
     max_queue: int = 4096
     streams: int = 1
+    max_batch_ms: float | None = None
 
     def __post_init__(self) -> None:
         names = ("max_beam_width", "default_beam_width", "max_batch_size", "max_body_bytes")
@@ -37,6 +41,7 @@ class ServerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise XgrError(f"ServerConfig.{name} must be an integer >= 1, got {value!r}")
+        check_max_batch_ms(self.max_batch_ms)
         if self.default_beam_width > self.max_beam_width:
             raise XgrError("ServerConfig.default_beam_width exceeds max_beam_width")
 
