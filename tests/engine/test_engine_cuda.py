@@ -225,6 +225,8 @@ def test_warm_up_captures_every_shape_the_load_then_needs(model_dirs):
     lanes = [engine.graphs, *engine._lane_graphs]
     assert captured == sum(g.captures for g in lanes) and captured >= 2 * (4 + 1)
     assert all(len(g._graphs) == g.captures for g in lanes)  # none dropped by pool growth
+    # each lane captures on its own stream, so its GEMMs keep their own cuBLAS workspace
+    assert lanes[0]._capture_stream != lanes[1]._capture_stream
     gen = torch.Generator().manual_seed(18)
     batches = [
         [torch.randint(0, 96, (int(n),), generator=gen).tolist() for n in

@@ -152,6 +152,7 @@ class CudaGraphs:
         self._pool_k: torch.Tensor | None = None
         self._pool_v: torch.Tensor | None = None
         self._mempool = None
+        self._capture_stream: torch.cuda.Stream | None = None
         self.captures = 0  # graphs captured so far (for tests and logs)
 
     def accepts(self, num_requests: int) -> bool:
@@ -348,9 +349,18 @@ class CudaGraphs:
         torch.cuda.current_stream().wait_stream(side)
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
+            # PyTorch keys cuBLAS workspaces by stream, and a captured GEMM keeps the
+            # workspace of the stream it was captured on: on the one default capture stream,
+            # every lane's graphs would share a workspace and race when replayed at once.
+            self._capture_stream = torch.cuda.Stream(device=device)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: another lane's thread may launch or allocate during this capture.
-        with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(
+            graph,
+            pool=self._mempool,
+            stream=self._capture_stream,
+            # thread_local: another lane's thread may launch or allocate during this capture.
+            capture_error_mode="thread_local",
+        ):
             outputs = run()
         self.captures += 1
         logger.info("captured CUDA graph %s", key)
