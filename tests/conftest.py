@@ -144,3 +144,56 @@ def live_server(app) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def write_random_t5(
+    path: Path,
+    feed_forward_proj: str,
+    tied: bool,
+    vocab_size: int = 96,
+    seed: int = 0,
+    **overrides,
+) -> torch.nn.Module:
+    """Save a random-weight HF ``T5ForConditionalGeneration`` to ``path``; returns it (float32).
+
+    ``tied=False`` gives the T5 v1.1 layout: its own LM head (saved as ``lm_head.weight``) and
+    no output rescaling; ``tied=True`` the original T5's tied, rescaled head.
+    """
+    from safetensors.torch import load_file, save_file
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    kwargs = dict(
+        vocab_size=vocab_size,
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=2,
+        num_decoder_layers=3,
+        num_heads=4,
+        # Few buckets and a short max distance put the prompts' offsets in every kind of
+        # bucket: exact, logarithmic and the shared last one.
+        relative_attention_num_buckets=16,
+        relative_attention_max_distance=24,
+        feed_forward_proj=feed_forward_proj,
+        tie_word_embeddings=tied,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+        # HF's own scale: T5's unscaled attention logits make wider weights lose float32
+        # agreement with HF quickly (1e-3 at twice the scale), while these beams are still
+        # separated by far more than the 1e-6 to 3e-5 the two implementations differ by.
+        initializer_factor=1.0,
+    )
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = T5ForConditionalGeneration(T5Config(**kwargs)).eval()
+    if not tied:
+        # transformers 5 always ties T5's head to ``shared``; a head of its own (as T5 v1.1
+        # checkpoints hold) is kept when the file has different values.
+        model.lm_head.weight = torch.nn.Parameter(torch.randn(vocab_size, kwargs["d_model"]))
+    model.save_pretrained(path, safe_serialization=True)
+    if not tied:
+        state = load_file(path / "model.safetensors")
+        state["lm_head.weight"] = model.lm_head.weight.detach().clone()
+        save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    return model

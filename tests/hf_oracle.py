@@ -8,14 +8,11 @@ import torch
 from xgr import ItemCatalog
 
 
-def hf_constrained_beam_search(
-    model, prompt: list[int], catalog: ItemCatalog, sid_map: np.ndarray, beam_width: int
-) -> list[tuple[tuple[int, ...], float]]:
-    """``generate(num_beams=B, num_return_sequences=B, length_penalty=0, trie constraint)``.
+def catalog_constraint(catalog: ItemCatalog, sid_map: np.ndarray):
+    """``allowed(generated)``: the token ids that may follow a generated token prefix.
 
-    Returns:
-        [(codes, score)] best first, HF's filler beams (score <= -1e8, left when fewer valid
-        paths than beams exist) dropped.
+    Prefixes that are no catalog path (held by HF's filler beams, score -1e9 or -inf) may be
+    followed by any code of the next level.
     """
     levels = catalog.num_levels
     allowed: dict[tuple[int, ...], set[int]] = {}
@@ -25,10 +22,37 @@ def hf_constrained_beam_search(
             allowed.setdefault(tuple(tokens[:depth]), set()).add(tokens[depth])
     any_code = {d: sorted({int(t) for t in sid_map[d] if t >= 0}) for d in range(levels)}
 
-    def prefix_fn(batch_id, input_ids):
-        generated = tuple(input_ids[len(prompt) :].tolist())
-        # Filler beams (score -1e9 or -inf) may hold prefixes that are no catalog path.
+    def allowed_after(generated: tuple[int, ...]) -> list[int]:
         return sorted(allowed.get(generated, any_code[len(generated)]))
+
+    return allowed_after
+
+
+def _results(sequences, scores, skip: int, sid_map: np.ndarray):
+    """[(codes, score)] of generate's sequences (first ``skip`` tokens dropped), best first,
+    filler beams (score <= -1e8, left when fewer valid paths than beams exist) dropped."""
+    levels = sid_map.shape[0]
+    token_to_code = {int(sid_map[d, c]): c for d in range(levels) for c in range(sid_map.shape[1])}
+    return [
+        (tuple(token_to_code[t] for t in seq[skip:]), score)
+        for seq, score in zip(sequences.tolist(), scores.tolist(), strict=True)
+        if score > -1e8
+    ]
+
+
+def hf_constrained_beam_search(
+    model, prompt: list[int], catalog: ItemCatalog, sid_map: np.ndarray, beam_width: int
+) -> list[tuple[tuple[int, ...], float]]:
+    """``generate(num_beams=B, num_return_sequences=B, length_penalty=0, trie constraint)``.
+
+    Returns:
+        [(codes, score)] best first, HF's filler beams (score <= -1e8, left when fewer valid
+        paths than beams exist) dropped.
+    """
+    allowed_after = catalog_constraint(catalog, sid_map)
+
+    def prefix_fn(batch_id, input_ids):
+        return allowed_after(tuple(input_ids[len(prompt) :].tolist()))
 
     out = model.generate(
         torch.tensor([prompt]),
@@ -37,16 +61,46 @@ def hf_constrained_beam_search(
         num_return_sequences=beam_width,
         do_sample=False,
         length_penalty=0.0,
-        max_new_tokens=levels,
+        max_new_tokens=catalog.num_levels,
         prefix_allowed_tokens_fn=prefix_fn,
         output_scores=True,
         return_dict_in_generate=True,
         pad_token_id=0,
         eos_token_id=None,
     )
-    token_to_code = {int(sid_map[d, c]): c for d in range(levels) for c in range(sid_map.shape[1])}
-    results = []
-    for seq, score in zip(out.sequences.tolist(), out.sequences_scores.tolist(), strict=True):
-        if score > -1e8:
-            results.append((tuple(token_to_code[t] for t in seq[len(prompt) :]), score))
-    return results
+    return _results(out.sequences, out.sequences_scores, len(prompt), sid_map)
+
+
+def hf_t5_constrained_beam_search(
+    model, prompt: list[int], catalog: ItemCatalog, sid_map: np.ndarray, beam_width: int
+) -> list[tuple[tuple[int, ...], float]]:
+    """The encoder-decoder analogue of ``hf_constrained_beam_search``: the prompt is the
+    encoder input, the decoder output starts with the decoder start token.
+
+    Returns:
+        [(codes, score)] best first, filler beams dropped.
+    """
+    allowed_after = catalog_constraint(catalog, sid_map)
+
+    def prefix_fn(batch_id, decoder_ids):
+        return allowed_after(tuple(decoder_ids[1:].tolist()))
+
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        num_beams=beam_width,
+        num_return_sequences=beam_width,
+        do_sample=False,
+        length_penalty=0.0,
+        early_stopping=True,
+        max_new_tokens=catalog.num_levels,
+        prefix_allowed_tokens_fn=prefix_fn,
+        output_scores=True,
+        return_dict_in_generate=True,
+        eos_token_id=None,
+        # transformers 5.24's cache sizes itself by the encoder's layer count, which fails
+        # for decoders with more layers; without it each step reruns the decoder (same result).
+        use_cache=False,
+    )
+    assert (out.sequences[:, 0] == model.config.decoder_start_token_id).all()
+    return _results(out.sequences, out.sequences_scores, 1, sid_map)

@@ -26,7 +26,7 @@ from xgr.core import (
 from xgr.engine.cuda_graph import CaptureGate, CudaGraphs
 from xgr.engine.generate import PREFILL_PAD_TOKEN, DecodeSpec, generate_semantic_ids
 from xgr.engine.prompt import PromptFormat
-from xgr.models import CausalLM, load_causal_lm
+from xgr.models import CausalLM, T5Seq2SeqLM, load_model
 from xgr.models.sid_vocab import (
     sid_token_ids_from_tokenizer,
     tokenizer_vocab,
@@ -47,8 +47,10 @@ class Engine:
     """Serves recommendations from one model and one catalog.
 
     Args:
-        model: the decoder-only LM, already on its device and dtype; its projections are
-            fused in place (``CausalLM.fuse_projections``).
+        model: the decoder-only LM (its projections are fused in place,
+            ``CausalLM.fuse_projections``) or the T5 encoder-decoder, already on its device
+            and dtype. A T5 model runs the torch reference attention without CUDA graphs on
+            every device.
         catalog: the items served.
         sid_token_ids: (num_levels, codebook_size) int array, vocabulary id of each code.
         tokenizer: optional ``tokenizers.Tokenizer`` for string prompts.
@@ -71,7 +73,7 @@ class Engine:
 
     def __init__(
         self,
-        model: CausalLM,
+        model: CausalLM | T5Seq2SeqLM,
         catalog: ItemCatalog,
         sid_token_ids: Any,
         tokenizer: Any = None,
@@ -82,7 +84,9 @@ class Engine:
         cuda_graphs: bool = True,
         cuda_streams: int = 1,
     ) -> None:
-        model.fuse_projections()  # one GEMM for q/k/v and one for gate/up, per layer
+        encdec = model.is_encoder_decoder
+        if not encdec:
+            model.fuse_projections()  # one GEMM for q/k/v and one for gate/up, per layer
         self.model = model
         self.catalog = catalog
         self.tokenizer = tokenizer
@@ -95,7 +99,12 @@ class Engine:
         self.sid_token_ids = torch.from_numpy(table).to(self.device)
         self._sid_token_ids_host = table
         self.trie = catalog.trie.to(self.device)
-        self.attention_backend = select_attention_backend(self.device, model.config.head_dim)
+        if encdec:  # the GPU kernels and graphs serve decoder-only models so far
+            self.attention_backend = "torch"
+            cuda_graphs = False
+            logger.info("T5 model: torch reference attention, no CUDA graphs (%s)", self.device)
+        else:
+            self.attention_backend = select_attention_backend(self.device, model.config.head_dim)
         self.decode_spec = DecodeSpec.build(
             model, self.trie, self.sid_token_ids, full_vocab, self.attention_backend
         )
@@ -114,7 +123,7 @@ class Engine:
         self._lanes: queue.SimpleQueue[int] = queue.SimpleQueue()
         for lane in range(lanes):
             self._lanes.put(lane)
-        if self.max_prompt_tokens < 1:
+        if not encdec and self.max_prompt_tokens < 1:
             raise XgrError(
                 f"max_position_embeddings {model.config.max_position_embeddings} leaves no room "
                 f"for a prompt and {catalog.num_levels} generated codes"
@@ -133,7 +142,8 @@ class Engine:
         """Load a model folder and serve ``catalog`` with it.
 
         Args:
-            model_dir: HF folder with config.json and safetensors weights (single or sharded).
+            model_dir: HF folder with config.json and safetensors weights (single or sharded)
+                of a Qwen2, Qwen3, Llama or T5 model (by config.json's ``model_type``).
             catalog: the catalog; default ``<model_dir>/catalog.index.json``.
             device: "cpu" (the torch reference path) or "cuda" (Triton decode attention).
             dtype: "float32", "bfloat16" or "float16".
@@ -174,7 +184,7 @@ class Engine:
                 raise XgrError(f"no catalog given and {path} does not exist")
             catalog = ItemCatalog.from_index_json(path)
         check_catalog_fingerprint(model_dir, catalog)
-        model = load_causal_lm(model_dir, device, dtype)
+        model = load_model(model_dir, device, dtype)
         if sid_token_ids is None:
             sid_token_ids = sid_token_ids_from_tokenizer(model_dir, catalog)
         prompt_format = PromptFormat.from_model_dir(model_dir, tokenizer_vocab(model_dir))
@@ -196,7 +206,13 @@ class Engine:
 
     @property
     def max_prompt_tokens(self) -> int:
-        """Longest prompt accepted (tokens): positions must cover the generated codes too."""
+        """Longest prompt accepted (tokens).
+
+        Decoder-only: positions must cover the generated codes too. T5: the config's
+        ``max_prompt_tokens`` (the decoder has positions of its own).
+        """
+        if self.model.is_encoder_decoder:
+            return self.model.config.max_prompt_tokens
         return self.model.config.max_position_embeddings - self.catalog.num_levels + 1
 
     def history_prompt(self, history: Sequence[Any], truncate: bool = False) -> list[int]:

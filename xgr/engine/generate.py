@@ -10,6 +10,12 @@ Steps, for R prompts, beam width B and L levels:
    ancestry index updated by their parents;
 4. the surviving beams' trie nodes at depth L are the semantic IDs.
 
+For an encoder-decoder (T5) the prefill is the encoder, which writes each decoder layer's
+cross-attention K/V as the shared KV; level 0's log-probabilities come from one decoder step
+over the decoder start token per request, whose self-attention K/V is slot 0 of the
+request's first beam row, inherited by all its beams through the ancestry index. This path
+runs eagerly with the torch reference attention.
+
 Everything from the start of prefill to the end of the last level runs on the device with
 no host synchronization: the batch's host-built inputs go to the device in one copy before
 any compute, scores are computed only for each level's codes (``xgr.beam.logits``), and the
@@ -31,6 +37,7 @@ from xgr.catalog.trie import PrefixTrie
 from xgr.kv import BeamKV, SharedKV
 from xgr.layers.attention import DecodeMetadata, PrefillMetadata
 from xgr.models.decoder import CausalLM
+from xgr.models.t5 import EncDecDecodeMetadata, T5Seq2SeqLM
 
 # Token id of a padded prefill's filler tokens (their results are never read).
 PREFILL_PAD_TOKEN = 0
@@ -145,7 +152,7 @@ class DecodeSpec:
     """What the decode levels need besides the batch: model, catalog and scoring.
 
     Attributes:
-        model: the decoder-only LM.
+        model: the decoder-only LM or the T5 encoder-decoder.
         trie: the catalog's valid-path trie, on the model's device.
         sid_token_ids: (num_levels, codebook_size) int64 vocabulary id of each code.
         level_weights: (num_levels, codebook_size, hidden) float32 LM-head rows of each
@@ -159,7 +166,7 @@ class DecodeSpec:
         attention_backend: "torch" (reference) or "triton" (GPU kernel) decode attention.
     """
 
-    model: CausalLM
+    model: CausalLM | T5Seq2SeqLM
     trie: PrefixTrie
     sid_token_ids: torch.Tensor
     level_weights: torch.Tensor
@@ -170,7 +177,7 @@ class DecodeSpec:
     @classmethod
     def build(
         cls,
-        model: CausalLM,
+        model: CausalLM | T5Seq2SeqLM,
         trie: PrefixTrie,
         sid_token_ids: torch.Tensor,
         full_vocab: bool = True,
@@ -210,17 +217,7 @@ def decode_levels(
         scores: (R, beam_width) float32 summed log-probabilities (-inf: no valid path).
     """
     cfg = spec.model.config
-    device = last_hidden.device
     num_requests, num_levels = last_hidden.shape[0], len(spec.trie.levels)
-    # The root is every beam's common parent: it alone supplies the first beam_width beams.
-    state = constrained_beam_step(
-        BeamState.root(num_requests, device),
-        spec.log_probs(last_hidden, 0)[:, None, :],
-        spec.trie.levels[0],
-        None,
-        beam_width,
-        max(top_k, beam_width),
-    )
     beam = BeamKV.allocate(
         cfg.num_layers,
         num_requests * beam_width,
@@ -228,21 +225,102 @@ def decode_levels(
         cfg.num_kv_heads,
         cfg.head_dim,
         last_hidden.dtype,
-        device,
+        last_hidden.device,
+    )
+    meta = DecodeMetadata(shared, beam, cu_seqlens_host, beam_width, spec.attention_backend)
+
+    def forward(ids: torch.Tensor, level: int) -> torch.Tensor:
+        pos = (prompt_lens + level - 1)[:, None].expand(num_requests, beam_width)
+        return spec.model(ids, pos.reshape(-1), meta)
+
+    first = spec.log_probs(last_hidden, 0)
+    return _search_levels(spec, first, beam, forward, beam_width, top_k)
+
+
+def decode_levels_encdec(
+    spec: DecodeSpec,
+    shared: SharedKV,
+    cu_seqlens_host: list[int],
+    beam_width: int,
+    top_k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``decode_levels`` of an encoder-decoder: the decoder start step, then every level.
+
+    Args:
+        spec: a ``T5Seq2SeqLM`` with its trie and scoring.
+        shared: the batch's cross-attention K/V (filled by ``T5Seq2SeqLM.encode``).
+        cu_seqlens_host: R + 1 prompt offsets.
+        beam_width, top_k: search parameters.
+
+    Returns:
+        nodes, scores: as ``decode_levels``.
+    """
+    model = spec.model
+    device = shared.k.device
+    num_requests, num_levels = len(cu_seqlens_host) - 1, len(spec.trie.levels)
+    # Slots: the decoder start token, then the codes of levels 0..L-2 (the last level's code
+    # is chosen, never fed back).
+    beam = model.allocate_beam_kv(num_requests * beam_width, num_levels)
+    first_rows = torch.arange(num_requests, device=device) * beam_width
+    start = torch.full(
+        (num_requests,), model.config.decoder_start_token_id, dtype=torch.int64, device=device
+    )
+    # One row per request: the start token's K/V goes to the request's first beam row, and
+    # the reorder after level 0 points every beam of the request at it (all have parent 0).
+    hidden = model.decode(start, EncDecDecodeMetadata(shared, beam, cu_seqlens_host, 1, first_rows))
+    beam.length = 1
+    all_rows = torch.arange(num_requests * beam_width, device=device)
+    meta = EncDecDecodeMetadata(shared, beam, cu_seqlens_host, beam_width, all_rows)
+    first = spec.log_probs(hidden, 0)
+    return _search_levels(
+        spec, first, beam, lambda ids, _level: model.decode(ids, meta), beam_width, top_k
+    )
+
+
+def _search_levels(
+    spec: DecodeSpec,
+    first_log_probs: torch.Tensor,
+    beam: BeamKV,
+    forward,
+    beam_width: int,
+    top_k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The constrained selections of all levels around one decode forward per later level.
+
+    Args:
+        spec: trie, code map and scoring.
+        first_log_probs: (R, codebook_size) float32 level-0 code log-probabilities.
+        beam: the beams' KV, (R * beam_width) rows; its written slots are reordered after
+            each selection (none yet for a decoder-only model).
+        forward: ``forward(ids, level)`` runs the model over (R * beam_width,) int64 token
+            ids (each beam's previous code) and returns (R * beam_width, hidden) head inputs.
+        beam_width, top_k: search parameters.
+
+    Returns:
+        nodes, scores: (R, beam_width) as ``decode_levels``.
+    """
+    vocab = spec.model.config.vocab_size
+    num_requests, num_levels = first_log_probs.shape[0], len(spec.trie.levels)
+    device = first_log_probs.device
+    # The root is every beam's common parent: it alone supplies the first beam_width beams.
+    state = constrained_beam_step(
+        BeamState.root(num_requests, device),
+        first_log_probs[:, None, :],
+        spec.trie.levels[0],
+        None,
+        beam_width,
+        max(top_k, beam_width),
     )
     row_base = torch.arange(num_requests, device=device)[:, None] * beam_width
-    meta = DecodeMetadata(shared, beam, cu_seqlens_host, beam_width, spec.attention_backend)
     for level in range(1, num_levels):
-        ids = spec.sid_token_ids[level - 1][state.codes].clamp(0, cfg.vocab_size - 1)
-        pos = (prompt_lens + level - 1)[:, None].expand(num_requests, beam_width)
-        hidden = spec.model(ids.reshape(-1), pos.reshape(-1), meta)
+        beam.reorder((state.parents + row_base).reshape(-1))  # no-op while no slot is written
+        ids = spec.sid_token_ids[level - 1][state.codes].clamp(0, vocab - 1)
+        hidden = forward(ids.reshape(-1), level)
         beam.length += 1
         log_probs = spec.log_probs(hidden, level).view(num_requests, beam_width, -1)
         state = constrained_beam_step(
             state, log_probs, spec.trie.levels[level], None, beam_width, top_k
         )
-        if level < num_levels - 1:
-            beam.reorder((state.parents + row_base).reshape(-1))
     return state.nodes, state.scores
 
 
@@ -291,8 +369,12 @@ def _generate(spec, prompts, beam_width, top_k, graphs) -> GenerationOutput:
         events[0].record()
     start = time.perf_counter()
     inputs = prepare_inputs(prompts, device)
-    use_graph = graphs is not None and graphs.accepts(inputs.num_requests)
-    if use_graph and graphs.prefill_accepts(inputs):
+    encdec = spec.model.is_encoder_decoder  # eager only: the engine gives it no graphs
+    use_graph = not encdec and graphs is not None and graphs.accepts(inputs.num_requests)
+    if encdec:
+        shared = spec.model.allocate_cross_kv(inputs.seqlens, inputs.cu_seqlens)
+        spec.model.encode(inputs.tokens, inputs.cu_seqlens_host, shared)
+    elif use_graph and graphs.prefill_accepts(inputs):
         last_hidden = graphs.replay_prefill(inputs)
     else:
         shared = graphs.shared_kv(inputs) if use_graph else allocate_shared_kv(spec.model, inputs)
@@ -300,7 +382,11 @@ def _generate(spec, prompts, beam_width, top_k, graphs) -> GenerationOutput:
     if cuda:
         events[1].record()
     prefilled = time.perf_counter()
-    if use_graph:
+    if encdec:
+        nodes, scores = decode_levels_encdec(
+            spec, shared, inputs.cu_seqlens_host, beam_width, top_k
+        )
+    elif use_graph:
         nodes, scores = graphs.replay_decode(spec, last_hidden, inputs, beam_width, top_k)
     else:
         nodes, scores = decode_levels(

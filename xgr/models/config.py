@@ -1,4 +1,4 @@
-"""Model configuration read from a Hugging Face ``config.json``."""
+"""Model configurations read from a Hugging Face ``config.json``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,14 @@ _ARCHITECTURES = {
     "llama": {"attention_bias": False, "qk_norm": False},
 }
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
+
+T5_MODEL_TYPE = "t5"
+# feed_forward_proj -> (gated, activation): original T5 uses "relu"; T5 v1.1 and Flan-T5 use
+# "gated-gelu", whose GELU is the tanh approximation ("gelu_new" in HF's naming).
+T5_FEED_FORWARD = {"relu": (False, "relu"), "gated-gelu": (True, "gelu_new")}
+# Prompt limit of a T5 config without ``n_positions``: relative positions set no limit, but the
+# encoder's (heads, P, P) attention bias grows with the square of the prompt.
+T5_DEFAULT_MAX_PROMPT_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -63,7 +71,8 @@ class DecoderConfig:
         model_type = raw.get("model_type")
         if model_type not in _ARCHITECTURES:
             raise XgrError(
-                f"unsupported model_type {model_type!r}; xgr serves {sorted(_ARCHITECTURES)}"
+                f"unsupported model_type {model_type!r}; xgr serves "
+                f"{sorted([*_ARCHITECTURES, T5_MODEL_TYPE])}"
             )
         defaults = _ARCHITECTURES[model_type]
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
@@ -102,4 +111,109 @@ class DecoderConfig:
             qk_norm=defaults["qk_norm"],
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             hidden_act=act,
+        )
+
+
+@dataclass(frozen=True)
+class T5Config:
+    """Shape and numerics of a T5-family encoder-decoder (T5, T5 v1.1, Flan-T5, TIGER).
+
+    Architecture of Raffel et al. 2020, "Exploring the Limits of Transfer Learning with a
+    Unified Text-to-Text Transformer" (JMLR 21(140)).
+
+    Attributes:
+        vocab_size, d_model, d_ff: vocabulary, hidden and feed-forward sizes.
+        num_heads, d_kv: attention heads and the size of each (num_heads * d_kv may differ
+            from d_model).
+        num_layers, num_decoder_layers: encoder and decoder blocks.
+        relative_attention_num_buckets, relative_attention_max_distance: the relative
+            position buckets (``xgr.layers.relative_position``).
+        layer_norm_epsilon: epsilon of every (RMS-style) layer norm.
+        is_gated_act: the feed-forward is act(wi_0 x) * wi_1 x, else act(wi x).
+        dense_act_fn: "relu" or "gelu_new" (GELU, tanh approximation).
+        scale_decoder_outputs: multiply the decoder output by d_model ** -0.5 before the LM
+            head (original T5, whose head is the tied embedding).
+        decoder_start_token_id: the decoder's first input token.
+        max_prompt_tokens: longest prompt served (``n_positions``, else
+            ``T5_DEFAULT_MAX_PROMPT_TOKENS``).
+    """
+
+    vocab_size: int
+    d_model: int
+    d_kv: int
+    d_ff: int
+    num_layers: int
+    num_decoder_layers: int
+    num_heads: int
+    relative_attention_num_buckets: int
+    relative_attention_max_distance: int
+    layer_norm_epsilon: float
+    is_gated_act: bool
+    dense_act_fn: str
+    scale_decoder_outputs: bool
+    decoder_start_token_id: int
+    max_prompt_tokens: int
+    model_type: str = T5_MODEL_TYPE
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any]) -> T5Config:
+        """Read a Hugging Face T5 config dict (defaults are HF ``T5Config``'s).
+
+        The output scaling follows ``scale_decoder_outputs`` when the file has it
+        (transformers 5 writes it), else ``tie_word_embeddings`` (default True), which
+        older files use to tell T5 (tied, scaled) from T5 v1.1 (untied, unscaled).
+
+        Raises:
+            XgrError: another model_type, an unsupported feed_forward_proj, no
+                decoder_start_token_id, or sizes out of range.
+        """
+        if raw.get("model_type") != T5_MODEL_TYPE:
+            raise XgrError(f"not a T5 config: model_type {raw.get('model_type')!r}")
+        proj = raw.get("feed_forward_proj", "relu")
+        if proj not in T5_FEED_FORWARD:
+            raise XgrError(
+                f"T5 feed_forward_proj {proj!r} is not supported; use one of "
+                f"{sorted(T5_FEED_FORWARD)}"
+            )
+        gated, act = T5_FEED_FORWARD[proj]
+        if "scale_decoder_outputs" in raw:
+            scale = bool(raw["scale_decoder_outputs"])
+        else:
+            scale = raw.get("tie_word_embeddings", True) is not False
+        vocab_size = int(raw.get("vocab_size", 32128))
+        start = raw.get("decoder_start_token_id")
+        if start is None or not 0 <= int(start) < vocab_size:
+            raise XgrError(
+                f"T5 decoder_start_token_id {start!r} is missing or outside the vocabulary "
+                f"of {vocab_size}"
+            )
+        num_layers = int(raw.get("num_layers", 6))
+        buckets = int(raw.get("relative_attention_num_buckets", 32))
+        max_distance = int(raw.get("relative_attention_max_distance", 128))
+        # Each direction needs an exact bucket, and the log-spaced buckets a range to span:
+        # the bucket formula divides by log(max_distance / exact), exact <= buckets // 2.
+        if buckets < 4 or max_distance <= buckets // 2:
+            raise XgrError(
+                f"T5 relative_attention_num_buckets {buckets} and max_distance {max_distance} "
+                "are out of range (need buckets >= 4 and max_distance > buckets // 2)"
+            )
+        max_prompt = int(raw.get("n_positions") or T5_DEFAULT_MAX_PROMPT_TOKENS)
+        if max_prompt < 1:
+            raise XgrError(f"T5 n_positions {max_prompt} leaves no room for a prompt")
+        return cls(
+            vocab_size=vocab_size,
+            d_model=int(raw.get("d_model", 512)),
+            d_kv=int(raw.get("d_kv", 64)),
+            d_ff=int(raw.get("d_ff", 2048)),
+            num_layers=num_layers,
+            num_decoder_layers=int(raw.get("num_decoder_layers") or num_layers),
+            num_heads=int(raw.get("num_heads", 8)),
+            relative_attention_num_buckets=buckets,
+            relative_attention_max_distance=max_distance,
+            layer_norm_epsilon=float(raw.get("layer_norm_epsilon", 1e-6)),
+            is_gated_act=gated,
+            dense_act_fn=act,
+            scale_decoder_outputs=scale,
+            decoder_start_token_id=int(start),
+            max_prompt_tokens=max_prompt,
         )

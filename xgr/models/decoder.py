@@ -49,6 +49,8 @@ class CausalLM(nn.Module):
         cfg: the model's shape and numerics.
     """
 
+    is_encoder_decoder = False
+
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.config = cfg

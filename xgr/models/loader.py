@@ -1,4 +1,5 @@
-"""Load decoder-only models from Hugging Face folders (config.json + safetensors)."""
+"""Load models from Hugging Face folders (config.json + safetensors): decoder-only LMs and
+T5-family encoder-decoders."""
 
 from __future__ import annotations
 
@@ -10,14 +11,22 @@ import torch
 from safetensors.torch import load_file
 
 from xgr.core import XgrError
-from xgr.models.config import DecoderConfig
+from xgr.models.config import T5_MODEL_TYPE, DecoderConfig, T5Config
 from xgr.models.decoder import CausalLM
+from xgr.models.t5 import T5Seq2SeqLM
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SINGLE_FILE = "model.safetensors"
 _SHARD_INDEX = "model.safetensors.index.json"
+# Tensors some T5 checkpoints carry that the model does not use: aliases of ``shared.weight``,
+# and a position bias table on the cross-attention that T5 never reads.
+_T5_UNUSED_WEIGHTS = (
+    "encoder.embed_tokens.weight",
+    "decoder.embed_tokens.weight",
+    "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight",
+)
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -29,13 +38,18 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def read_config(model_dir: str | Path) -> tuple[DecoderConfig, dict]:
-    """Read ``config.json``; returns the parsed config and the raw dict. Raises XgrError."""
+def read_config(model_dir: str | Path) -> tuple[DecoderConfig | T5Config, dict]:
+    """Read ``config.json``; returns the parsed config (``T5Config`` for model_type "t5",
+    else ``DecoderConfig``) and the raw dict. Raises XgrError."""
     path = Path(model_dir) / "config.json"
     try:
         raw = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise XgrError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise XgrError(f"{path} is not a JSON object")
+    if raw.get("model_type") == T5_MODEL_TYPE:
+        return T5Config.from_hf(raw), raw
     return DecoderConfig.from_hf(raw), raw
 
 
@@ -54,6 +68,20 @@ def read_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def load_model(
+    model_dir: str | Path, device: str | torch.device, dtype: str | torch.dtype
+) -> CausalLM | T5Seq2SeqLM:
+    """Build the folder's model (by config.json's model_type) with its weights in ``dtype``.
+
+    Raises:
+        XgrError: unreadable config, unsupported architecture, missing or unexpected weights.
+    """
+    cfg, _ = read_config(model_dir)
+    if isinstance(cfg, T5Config):
+        return load_t5(model_dir, device, dtype)
+    return load_causal_lm(model_dir, device, dtype)
+
+
 def load_causal_lm(
     model_dir: str | Path, device: str | torch.device, dtype: str | torch.dtype
 ) -> CausalLM:
@@ -63,18 +91,66 @@ def load_causal_lm(
         XgrError: unreadable config, unsupported architecture, missing or unexpected weights.
     """
     cfg, _ = read_config(model_dir)
-    torch_dtype = resolve_dtype(dtype)
-    state = {
-        name: tensor.to(dtype=torch_dtype, device=device)
-        for name, tensor in read_state_dict(model_dir).items()
-        if not name.endswith("rotary_emb.inv_freq")
-    }
+    if not isinstance(cfg, DecoderConfig):
+        raise XgrError(f"{model_dir} holds a {cfg.model_type} model, not a decoder-only LM")
+    state = _read_weights(model_dir, dtype, device)
+    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
     if "lm_head.weight" not in state:
         if not cfg.tie_word_embeddings:
             raise XgrError(f"{model_dir}: lm_head.weight missing and embeddings are not tied")
         state["lm_head.weight"] = state.get("model.embed_tokens.weight")
+    model = _build(CausalLM, cfg, state, model_dir)
+    logger.info(
+        "loaded %s (%d layers, hidden %d, vocab %d) from %s as %s on %s",
+        cfg.model_type, cfg.num_layers, cfg.hidden_size, cfg.vocab_size, model_dir,
+        state["lm_head.weight"].dtype, device,
+    )  # fmt: skip
+    return model
+
+
+def load_t5(
+    model_dir: str | Path, device: str | torch.device, dtype: str | torch.dtype
+) -> T5Seq2SeqLM:
+    """Build a ``T5Seq2SeqLM`` from a HF ``T5ForConditionalGeneration`` folder.
+
+    The LM head is the checkpoint's ``lm_head.weight`` when it has one, else ``shared.weight``
+    (as transformers 5 loads T5: it always ties, unless the file holds a different head).
+
+    Raises:
+        XgrError: unreadable or unsupported config, missing or unexpected weights.
+    """
+    cfg, _ = read_config(model_dir)
+    if not isinstance(cfg, T5Config):
+        raise XgrError(f"{model_dir} holds a {cfg.model_type} model, not a T5 model")
+    state = _read_weights(model_dir, dtype, device)
+    for name in _T5_UNUSED_WEIGHTS:
+        state.pop(name, None)
+    if "lm_head.weight" not in state and "shared.weight" in state:
+        state["lm_head.weight"] = state["shared.weight"]
+    model = _build(T5Seq2SeqLM, cfg, state, model_dir)
+    logger.info(
+        "loaded t5 (%d + %d layers, d_model %d, vocab %d, %s feed-forward) from %s as %s on %s",
+        cfg.num_layers, cfg.num_decoder_layers, cfg.d_model, cfg.vocab_size,
+        "gated " + cfg.dense_act_fn if cfg.is_gated_act else cfg.dense_act_fn, model_dir,
+        state["lm_head.weight"].dtype, device,
+    )  # fmt: skip
+    return model
+
+
+def _read_weights(
+    model_dir: str | Path, dtype: str | torch.dtype, device: str | torch.device
+) -> dict[str, torch.Tensor]:
+    torch_dtype = resolve_dtype(dtype)
+    return {
+        name: tensor.to(dtype=torch_dtype, device=device)
+        for name, tensor in read_state_dict(model_dir).items()
+    }
+
+
+def _build(model_cls, cfg, state: dict[str, torch.Tensor], model_dir) -> torch.nn.Module:
+    """``model_cls(cfg)`` holding exactly ``state`` (no copies), in eval mode."""
     with torch.device("meta"):
-        model = CausalLM(cfg)
+        model = model_cls(cfg)
     expected = set(model.state_dict())
     missing, unexpected = expected - set(state), set(state) - expected
     if missing or unexpected:
@@ -86,14 +162,4 @@ def load_causal_lm(
         model.load_state_dict(state, assign=True)
     except RuntimeError as exc:  # shape mismatches between config.json and the weights
         raise XgrError(f"{model_dir}: weights do not match config.json: {exc}") from exc
-    logger.info(
-        "loaded %s (%d layers, hidden %d, vocab %d) from %s as %s on %s",
-        cfg.model_type,
-        cfg.num_layers,
-        cfg.hidden_size,
-        cfg.vocab_size,
-        model_dir,
-        torch_dtype,
-        device,
-    )
     return model.eval()

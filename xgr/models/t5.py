@@ -1,0 +1,349 @@
+"""T5-family encoder-decoder (T5, T5 v1.1, Flan-T5, TIGER-style) as xgr modules.
+
+The architecture is Raffel et al. 2020, "Exploring the Limits of Transfer Learning with a
+Unified Text-to-Text Transformer": pre-norm blocks with an RMS-style layer norm (scale only,
+no mean subtraction, no bias), attention logits q . k without the 1 / sqrt(d) scale plus a
+learned relative position bias (``xgr.layers.relative_position``), and a ReLU or gated-GELU
+feed-forward. Module and parameter names mirror HF ``T5ForConditionalGeneration`` so its
+safetensors load without renaming.
+
+On xgr's KV layout:
+
+- ``encode`` runs the encoder once over the packed prompts (bidirectional attention within
+  each prompt) and writes every decoder layer's cross-attention K/V of the encoder output
+  into the request's ``SharedKV``: (num_decoder_layers, total_prompt_tokens, num_heads, d_kv).
+- ``decode`` runs one decoder step for a set of beams: self-attention over each beam's own
+  tokens in ``BeamKV`` (the decoder start token at position 0, then one code per level, with
+  the causal relative position bias), and cross-attention over its request's shared K/V
+  (no mask, no position bias), read once per request for all its beams.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from xgr.kernels.decode_attention import shared_attention_reference
+from xgr.kv import BeamKV, SharedKV
+from xgr.layers.norm import RMSNorm
+from xgr.layers.relative_position import relative_position_bias
+from xgr.models.config import T5Config
+
+_ACTIVATIONS = {"relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
+
+
+@dataclass
+class EncDecDecodeMetadata:
+    """Per-step metadata of a decoder step over a batch's beams.
+
+    Attributes:
+        shared: the batch's cross-attention K/V (written by ``encode``, read here).
+        beam: the beams' self-attention K/V; each layer writes slot ``beam.length``.
+        cu_seqlens: R + 1 host ints, prompt offsets in ``shared``.
+        beam_width: query rows per request (rows are request-major).
+        kv_rows: (N,) int64 ``beam`` row each query row writes and reads through.
+    """
+
+    shared: SharedKV
+    beam: BeamKV
+    cu_seqlens: list[int]
+    beam_width: int
+    kv_rows: torch.Tensor
+
+
+class T5Attention(nn.Module):
+    """q, k, v, o projections (no biases) of one attention, and, on the first block of a
+    stack, the relative position bias table that every block of the stack uses."""
+
+    def __init__(self, cfg: T5Config, has_relative_bias: bool) -> None:
+        super().__init__()
+        self.num_heads, self.d_kv = cfg.num_heads, cfg.d_kv
+        inner = cfg.num_heads * cfg.d_kv
+        self.q = nn.Linear(cfg.d_model, inner, bias=False)
+        self.k = nn.Linear(cfg.d_model, inner, bias=False)
+        self.v = nn.Linear(cfg.d_model, inner, bias=False)
+        self.o = nn.Linear(inner, cfg.d_model, bias=False)
+        if has_relative_bias:
+            self.relative_attention_bias = nn.Embedding(
+                cfg.relative_attention_num_buckets, cfg.num_heads
+            )
+
+    def heads(self, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """(T, d_model) -> (T, num_heads, d_kv) through one projection."""
+        return proj(x).view(x.shape[0], self.num_heads, self.d_kv)
+
+    def project_out(self, out: torch.Tensor) -> torch.Tensor:
+        """(T, num_heads, d_kv) -> (T, d_model)."""
+        return self.o(out.reshape(out.shape[0], self.num_heads * self.d_kv))
+
+    def bidirectional(
+        self, x: torch.Tensor, cu_seqlens: list[int], biases: list[torch.Tensor]
+    ) -> torch.Tensor:
+        """Encoder self-attention within each packed prompt.
+
+        Args:
+            x: (T, d_model) normed hidden states of all prompts, model dtype.
+            cu_seqlens: R + 1 host ints, prompt offsets.
+            biases: per prompt, (num_heads, P, P) position bias, model dtype.
+
+        Returns:
+            (T, d_model) attention output (before the residual add).
+        """
+        q, k, v = self.heads(self.q, x), self.heads(self.k, x), self.heads(self.v, x)
+        out = torch.empty_like(q)
+        for r, bias in enumerate(biases):
+            span = slice(cu_seqlens[r], cu_seqlens[r + 1])
+            qs, ks, vs = (t[span].transpose(0, 1) for t in (q, k, v))  # [H, P, D]
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=bias, scale=1.0)
+            out[span] = o.transpose(0, 1)
+        return self.project_out(out)
+
+    def over_beam(
+        self, x: torch.Tensor, layer: int, meta: EncDecDecodeMetadata, bias: torch.Tensor
+    ) -> torch.Tensor:
+        """Decoder self-attention of each beam's newest token over the beam's own tokens.
+
+        Writes the token's K/V into slot ``meta.beam.length`` of its ``kv_rows`` row, then
+        attends over slots 0..length through the beam's ancestry index.
+
+        Args:
+            x: (N, d_model) normed hidden states, one per query row.
+            layer: decoder layer index.
+            meta: this step's metadata.
+            bias: (num_heads, length + 1) position bias of the newest token over the slots.
+
+        Returns:
+            (N, d_model).
+        """
+        beam, slot = meta.beam, meta.beam.length
+        q = self.heads(self.q, x)
+        beam.k[layer, meta.kv_rows, slot] = self.heads(self.k, x)
+        beam.v[layer, meta.kv_rows, slot] = self.heads(self.v, x)
+        rows = beam.rows[meta.kv_rows, : slot + 1].long()  # [N, S]
+        slots = torch.arange(slot + 1, device=rows.device)[None, :]
+        own_k, own_v = beam.k[layer][rows, slots], beam.v[layer][rows, slots]  # [N, S, H, D]
+        scores = torch.einsum("nhd,nshd->nhs", q.float(), own_k.float()) + bias.float()
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.einsum("nhs,nshd->nhd", probs, own_v.float())
+        return self.project_out(out.to(x.dtype))
+
+    def over_encoder(self, x: torch.Tensor, layer: int, meta: EncDecDecodeMetadata) -> torch.Tensor:
+        """Cross-attention of every query row over its request's encoder K/V (no mask, no
+        position bias): (N, d_model) -> (N, d_model)."""
+        out, _ = shared_attention_reference(
+            self.heads(self.q, x),
+            meta.shared.k[layer],
+            meta.shared.v[layer],
+            meta.cu_seqlens,
+            meta.beam_width,
+            1.0,  # T5 folds the 1 / sqrt(d) scale into its initialization
+        )
+        return self.project_out(out.to(x.dtype))
+
+
+class T5FeedForward(nn.Module):
+    """wo(act(wi x)), or wo(act(wi_0 x) * wi_1 x) when gated; (T, d_model) -> (T, d_model)."""
+
+    def __init__(self, cfg: T5Config) -> None:
+        super().__init__()
+        self.gated = cfg.is_gated_act
+        if self.gated:
+            self.wi_0 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+            self.wi_1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        else:
+            self.wi = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.wo = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+        self.act = _ACTIVATIONS[cfg.dense_act_fn]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            return self.wo(self.act(self.wi_0(x)) * self.wi_1(x))
+        return self.wo(self.act(self.wi(x)))
+
+
+class SelfAttentionSublayer(nn.Module):
+    """HF's ``layer.0``: self-attention and its pre-norm; ``T5Seq2SeqLM`` applies them as
+    x + attention(layer_norm(x)), bidirectional in the encoder, over the beam in the decoder."""
+
+    def __init__(self, cfg: T5Config, has_relative_bias: bool) -> None:
+        super().__init__()
+        self.SelfAttention = T5Attention(cfg, has_relative_bias)
+        self.layer_norm = RMSNorm(cfg.d_model, cfg.layer_norm_epsilon)
+
+
+class CrossAttentionSublayer(nn.Module):
+    """HF's decoder ``layer.1``: cross-attention and its pre-norm, applied as
+    x + cross_attention(layer_norm(x))."""
+
+    def __init__(self, cfg: T5Config) -> None:
+        super().__init__()
+        self.EncDecAttention = T5Attention(cfg, has_relative_bias=False)
+        self.layer_norm = RMSNorm(cfg.d_model, cfg.layer_norm_epsilon)
+
+
+class FeedForwardSublayer(nn.Module):
+    """x + feed_forward(layer_norm(x)) (HF's last sublayer of a block)."""
+
+    def __init__(self, cfg: T5Config) -> None:
+        super().__init__()
+        self.DenseReluDense = T5FeedForward(cfg)
+        self.layer_norm = RMSNorm(cfg.d_model, cfg.layer_norm_epsilon)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.DenseReluDense(self.layer_norm(x))
+
+
+class T5Block(nn.Module):
+    """Encoder block (self-attention, feed-forward) or decoder block (self-attention,
+    cross-attention, feed-forward), as HF's ``block.{i}.layer`` list."""
+
+    def __init__(self, cfg: T5Config, first: bool, decoder: bool) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [SelfAttentionSublayer(cfg, has_relative_bias=first)]
+        if decoder:
+            layers.append(CrossAttentionSublayer(cfg))
+        layers.append(FeedForwardSublayer(cfg))
+        self.layer = nn.ModuleList(layers)
+
+
+class T5Stack(nn.Module):
+    """The encoder's or decoder's blocks and final layer norm."""
+
+    def __init__(self, cfg: T5Config, num_blocks: int, decoder: bool) -> None:
+        super().__init__()
+        self.block = nn.ModuleList(T5Block(cfg, i == 0, decoder) for i in range(num_blocks))
+        self.final_layer_norm = RMSNorm(cfg.d_model, cfg.layer_norm_epsilon)
+
+    @property
+    def position_bias_table(self) -> torch.Tensor:
+        """(num_buckets, num_heads) bias table of the first block, used by every block."""
+        return self.block[0].layer[0].SelfAttention.relative_attention_bias.weight
+
+
+class T5Seq2SeqLM(nn.Module):
+    """A T5 encoder-decoder whose forward passes fill xgr's KV layout.
+
+    ``shared`` embeds both the encoder's and the decoder's tokens; ``lm_head`` is the
+    checkpoint's own head or, when it has none, the loader ties it to ``shared``.
+
+    Args:
+        cfg: the model's shape and numerics.
+    """
+
+    is_encoder_decoder = True
+
+    def __init__(self, cfg: T5Config) -> None:
+        super().__init__()
+        self.config = cfg
+        self.shared = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.encoder = T5Stack(cfg, cfg.num_layers, decoder=False)
+        self.decoder = T5Stack(cfg, cfg.num_decoder_layers, decoder=True)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def allocate_cross_kv(self, seqlens: list[int], cu_seqlens: torch.Tensor) -> SharedKV:
+        """Cross-attention K/V buffers for prompts of ``seqlens`` tokens.
+
+        Args:
+            seqlens: R prompt lengths (tokens).
+            cu_seqlens: (R + 1,) int64 prompt offsets on the model's device.
+        """
+        cfg, weight = self.config, self.lm_head.weight
+        return SharedKV.allocate(
+            cfg.num_decoder_layers, seqlens, cfg.num_heads, cfg.d_kv,
+            weight.dtype, weight.device, cu_seqlens,
+        )  # fmt: skip
+
+    def allocate_beam_kv(self, num_rows: int, capacity: int) -> BeamKV:
+        """Self-attention K/V of ``num_rows`` beams, ``capacity`` decoder tokens each."""
+        cfg, weight = self.config, self.lm_head.weight
+        return BeamKV.allocate(
+            cfg.num_decoder_layers, num_rows, capacity, cfg.num_heads, cfg.d_kv,
+            weight.dtype, weight.device,
+        )  # fmt: skip
+
+    def encode(
+        self, input_ids: torch.Tensor, cu_seqlens: list[int], cross_kv: SharedKV
+    ) -> torch.Tensor:
+        """Run the encoder over packed prompts and fill every decoder layer's cross K/V.
+
+        Args:
+            input_ids: (T,) int64 tokens of all prompts, packed in request order.
+            cu_seqlens: R + 1 host ints, prompt offsets.
+            cross_kv: receives, per decoder layer, k/v of the encoder output at tokens [0, T).
+
+        Returns:
+            (T, d_model) encoder output (after the final layer norm), model dtype.
+        """
+        x = self.shared(input_ids)
+        biases = self._encoder_biases(cu_seqlens)
+        for block in self.encoder.block:
+            attn, ff = block.layer
+            x = x + attn.SelfAttention.bidirectional(attn.layer_norm(x), cu_seqlens, biases)
+            x = ff(x)
+        encoded = self.encoder.final_layer_norm(x)
+        tokens = encoded.shape[0]
+        for layer, block in enumerate(self.decoder.block):
+            cross = block.layer[1].EncDecAttention
+            cross_kv.k[layer, :tokens] = cross.heads(cross.k, encoded)
+            cross_kv.v[layer, :tokens] = cross.heads(cross.v, encoded)
+        return encoded
+
+    def decode(self, input_ids: torch.Tensor, meta: EncDecDecodeMetadata) -> torch.Tensor:
+        """One decoder step: each query row's newest token through every decoder block.
+
+        Args:
+            input_ids: (N,) int64 newest token of each row (the decoder start token at
+                ``meta.beam.length`` 0, else the code chosen at the previous level).
+            meta: the step's metadata; the token sits at position ``meta.beam.length``.
+
+        Returns:
+            (N, d_model) input of the LM head, model dtype: the final layer norm's output,
+            times d_model ** -0.5 when ``scale_decoder_outputs``.
+        """
+        x = self.shared(input_ids)
+        bias = self._decoder_bias(meta.beam.length, x.device)
+        for layer, block in enumerate(self.decoder.block):
+            attn, cross, ff = block.layer
+            x = x + attn.SelfAttention.over_beam(attn.layer_norm(x), layer, meta, bias)
+            x = x + cross.EncDecAttention.over_encoder(cross.layer_norm(x), layer, meta)
+            x = ff(x)
+        x = self.decoder.final_layer_norm(x)
+        if self.config.scale_decoder_outputs:
+            # Original T5 ties the head to the embedding and rescales its input to match.
+            x = x * self.config.d_model**-0.5
+        return x
+
+    def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, d_model) ``decode`` output -> (N, vocab_size) float32 log-softmax."""
+        return torch.log_softmax(self.lm_head(hidden).float(), dim=-1)
+
+    def _encoder_biases(self, cu_seqlens: list[int]) -> list[torch.Tensor]:
+        """(num_heads, P, P) bidirectional position bias of each prompt (one per length)."""
+        table, device = self.encoder.position_bias_table, self.shared.weight.device
+        by_length: dict[int, torch.Tensor] = {}
+        biases = []
+        for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True):
+            n = end - start
+            if n not in by_length:
+                pos = torch.arange(n, device=device)
+                by_length[n] = relative_position_bias(
+                    table, pos, pos, True, self.config.relative_attention_max_distance
+                )
+            biases.append(by_length[n])
+        return biases
+
+    def _decoder_bias(self, position: int, device: torch.device) -> torch.Tensor:
+        """(num_heads, position + 1) causal bias of a query at ``position`` over 0..position."""
+        keys = torch.arange(position + 1, device=device)
+        query = keys[-1:]
+        bias = relative_position_bias(
+            self.decoder.position_bias_table,
+            query,
+            keys,
+            False,
+            self.config.relative_attention_max_distance,
+        )
+        return bias[:, 0]
