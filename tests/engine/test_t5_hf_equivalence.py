@@ -9,6 +9,7 @@ from transformers import T5ForConditionalGeneration
 from tests.conftest import random_catalog, sequential_sid_map, write_random_t5
 from tests.hf_oracle import hf_t5_constrained_beam_search
 from xgr import Engine
+from xgr.core import PromptTooLongError
 
 NUM_LEVELS, CODEBOOK = 3, 16
 # (feed_forward_proj, tied head, vocabulary ids before the codes): text-and-code
@@ -48,3 +49,35 @@ def test_t5_equals_hf_beam_search(t5_dirs, variant, beam_width):
         assert [codes for codes, _ in got] == [codes for codes, _ in expected]
         for (_, s_got), (_, s_exp) in zip(got, expected, strict=True):
             assert s_got == pytest.approx(s_exp, abs=1e-4)
+
+
+def test_t5_prompt_limit(tmp_path):
+    write_random_t5(tmp_path, "relu", True, vocab_size=8 + NUM_LEVELS * CODEBOOK, n_positions=40)
+    catalog = random_catalog(100, NUM_LEVELS, CODEBOOK, seed=2)
+    sid_map = sequential_sid_map(NUM_LEVELS, CODEBOOK, 8)
+    engine = Engine.from_pretrained(tmp_path, catalog=catalog, sid_token_ids=sid_map)
+    # The decoder has positions of its own: the whole n_positions is the prompt's.
+    assert engine.max_prompt_tokens == 40
+    assert len(engine.recommend([[3] * 40], beam_width=4, top_k=4, num_results=2)[0].items) > 0
+    with pytest.raises(PromptTooLongError, match="41 tokens"):
+        engine.recommend([[3] * 41], beam_width=4, top_k=4, num_results=2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_t5_on_cuda_runs_the_torch_path(t5_dirs):
+    variant = VARIANTS[1]
+    catalog = random_catalog(600, NUM_LEVELS, CODEBOOK, seed=1)
+    sid_map = sequential_sid_map(NUM_LEVELS, CODEBOOK, variant[2])
+    cpu = Engine.from_pretrained(t5_dirs[variant], catalog=catalog, sid_token_ids=sid_map)
+    gpu = Engine.from_pretrained(
+        t5_dirs[variant], catalog=catalog, sid_token_ids=sid_map, device="cuda"
+    )
+    assert gpu.graphs is None and gpu.attention_backend == "torch"
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, 56, (n,), generator=gen).tolist() for n in (5, 23, 61)]
+    want = cpu.recommend(prompts, beam_width=32, top_k=32, num_results=32)
+    got = gpu.recommend(prompts, beam_width=32, top_k=32, num_results=32)
+    for g, w in zip(got, want, strict=True):
+        assert [codes for codes, _ in g.semantic_ids] == [codes for codes, _ in w.semantic_ids]
+        for (_, s_got), (_, s_want) in zip(g.semantic_ids, w.semantic_ids, strict=True):
+            assert s_got == pytest.approx(s_want, abs=1e-4)

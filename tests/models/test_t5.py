@@ -1,0 +1,169 @@
+"""T5 modules reproduce HF's encoder and decoder; T5 folders load or are refused clearly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import T5ForConditionalGeneration
+
+from tests.conftest import write_random_t5
+from xgr import XgrError
+from xgr.layers.relative_position import relative_position_bucket
+from xgr.models import CausalLM, T5Config, T5Seq2SeqLM, load_causal_lm, load_model, load_t5
+from xgr.models.t5 import EncDecDecodeMetadata
+
+# (feed_forward_proj, tied head)
+VARIANTS = [("relu", True), ("relu", False), ("gated-gelu", True), ("gated-gelu", False)]
+
+
+@pytest.fixture(scope="module")
+def t5_dirs(tmp_path_factory):
+    dirs = {}
+    for i, (proj, tied) in enumerate(VARIANTS):
+        path = tmp_path_factory.mktemp(f"t5-{proj}-{tied}")
+        write_random_t5(path, proj, tied, seed=i)
+        dirs[proj, tied] = path
+    return dirs
+
+
+def test_relative_position_buckets():
+    offsets = torch.tensor([0, -1, 1, -7, -8, -12, -20, -127, -500, 7, 8, 12, 500])
+    # Bidirectional: 16 buckets per direction, 8 exact; keys after the query from 16 on.
+    assert relative_position_bucket(offsets, True, 32, 128).tolist() == [
+        0, 1, 17, 7, 8, 9, 10, 15, 15, 23, 24, 25, 31,
+    ]  # fmt: skip
+    # Causal: all 32 buckets look back, 16 exact; later keys share bucket 0.
+    assert relative_position_bucket(offsets, False, 32, 128).tolist() == [
+        0, 1, 0, 7, 8, 12, 17, 31, 31, 0, 0, 0, 0,
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+@pytest.mark.parametrize(("buckets", "max_distance"), [(32, 128), (16, 24), (8, 5)])
+def test_relative_position_buckets_match_hf(bidirectional, buckets, max_distance):
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    offsets = torch.arange(-300, 301)
+    expected = T5Attention._relative_position_bucket(
+        offsets, bidirectional=bidirectional, num_buckets=buckets, max_distance=max_distance
+    )
+    got = relative_position_bucket(offsets, bidirectional, buckets, max_distance)
+    assert torch.equal(got, expected)
+
+
+def encode(model: T5Seq2SeqLM, prompts: list[list[int]]):
+    cu = [0]
+    for p in prompts:
+        cu.append(cu[-1] + len(p))
+    shared = model.allocate_cross_kv([len(p) for p in prompts], torch.tensor(cu))
+    encoded = model.encode(torch.tensor([t for p in prompts for t in p]), cu, shared)
+    return encoded, shared, cu
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_forward_matches_hf(t5_dirs, variant):
+    ours = load_t5(t5_dirs[variant], "cpu", "float32")
+    hf = T5ForConditionalGeneration.from_pretrained(t5_dirs[variant], dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(3)
+    # Lengths below, inside and beyond the buckets' max distance (24), in one packed batch.
+    prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (1, 9, 40)]
+    decoder_ids = torch.randint(0, 96, (len(prompts), 4), generator=gen)
+    decoder_ids[:, 0] = ours.config.decoder_start_token_id
+    with torch.inference_mode():
+        encoded, shared, cu = encode(ours, prompts)
+        # One row per request: decoder token t sits at slot t of the request's row.
+        rows = len(prompts)
+        beam = ours.allocate_beam_kv(rows, decoder_ids.shape[1])
+        meta = EncDecDecodeMetadata(shared, beam, cu, 1, torch.arange(rows))
+        steps = []
+        for t in range(decoder_ids.shape[1]):
+            steps.append(ours.log_probs(ours.decode(decoder_ids[:, t], meta)))
+            beam.length += 1
+        for r, prompt in enumerate(prompts):
+            out = hf(input_ids=torch.tensor([prompt]), decoder_input_ids=decoder_ids[r : r + 1])
+            expected = torch.log_softmax(out.logits[0].float(), -1)
+            torch.testing.assert_close(
+                encoded[cu[r] : cu[r + 1]], out.encoder_last_hidden_state[0], atol=1e-4, rtol=1e-5
+            )
+            got = torch.stack([step[r] for step in steps])
+            torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-5)
+
+
+def test_head_tying_and_scaling(t5_dirs):
+    tied = load_t5(t5_dirs["relu", True], "cpu", "float32")
+    assert tied.lm_head.weight.data_ptr() == tied.shared.weight.data_ptr()
+    assert tied.config.scale_decoder_outputs
+    untied = load_t5(t5_dirs["gated-gelu", False], "cpu", "float32")
+    assert not torch.equal(untied.lm_head.weight, untied.shared.weight)
+    assert not untied.config.scale_decoder_outputs
+    assert untied.config.is_gated_act and untied.config.dense_act_fn == "gelu_new"
+    assert (untied.config.num_layers, untied.config.num_decoder_layers) == (2, 3)
+
+
+def test_load_model_picks_the_architecture(t5_dirs, model_dirs):
+    assert isinstance(load_model(t5_dirs["relu", True], "cpu", "float32"), T5Seq2SeqLM)
+    assert isinstance(load_model(model_dirs["qwen2"], "cpu", "float32"), CausalLM)
+    with pytest.raises(XgrError, match="not a decoder-only"):
+        load_causal_lm(t5_dirs["relu", True], "cpu", "float32")
+    with pytest.raises(XgrError, match="not a T5"):
+        load_t5(model_dirs["qwen2"], "cpu", "float32")
+
+
+def test_older_checkpoint_layouts_load(tmp_path, t5_dirs):
+    """transformers 4 files: embedding aliases saved, scaling read from tie_word_embeddings."""
+    source = t5_dirs["gated-gelu", False]
+    state = load_file(source / "model.safetensors")
+    state["encoder.embed_tokens.weight"] = state["shared.weight"].clone()
+    state["decoder.embed_tokens.weight"] = state["shared.weight"].clone()
+    save_file(state, tmp_path / "model.safetensors")
+    raw = json.loads((source / "config.json").read_text())
+    del raw["scale_decoder_outputs"]
+    raw["tie_word_embeddings"] = False
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    model = load_t5(tmp_path, "cpu", "float32")
+    assert not model.config.scale_decoder_outputs
+    torch.testing.assert_close(model.lm_head.weight, state["lm_head.weight"], atol=0, rtol=0)
+
+
+def rewrite_config(src, dst, **changes):
+    raw = json.loads((src / "config.json").read_text())
+    raw.update(changes)
+    (dst / "config.json").write_text(json.dumps(raw))
+    (dst / "model.safetensors").write_bytes((src / "model.safetensors").read_bytes())
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"feed_forward_proj": "gated-silu"}, "feed_forward_proj 'gated-silu'"),
+        ({"decoder_start_token_id": None}, "decoder_start_token_id"),
+        ({"decoder_start_token_id": 96}, "decoder_start_token_id 96"),
+        ({"relative_attention_max_distance": 8}, "max_distance 8"),
+        ({"d_ff": 64}, "do not match config.json"),
+    ],
+)
+def test_bad_t5_configs_are_refused(tmp_path, t5_dirs, changes, message):
+    rewrite_config(t5_dirs["relu", True], tmp_path, **changes)
+    with pytest.raises(XgrError, match=message):
+        load_t5(tmp_path, "cpu", "float32")
+
+
+def test_missing_t5_weight_is_named(tmp_path, t5_dirs):
+    rewrite_config(t5_dirs["relu", True], tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    del state["decoder.block.1.layer.1.EncDecAttention.k.weight"]
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(XgrError, match="EncDecAttention.k.weight"):
+        load_t5(tmp_path, "cpu", "float32")
+
+
+def test_config_defaults_follow_hf():
+    cfg = T5Config.from_hf({"model_type": "t5", "decoder_start_token_id": 0, "n_positions": 512})
+    assert (cfg.d_model, cfg.d_kv, cfg.d_ff, cfg.num_heads) == (512, 64, 2048, 8)
+    assert cfg.num_decoder_layers == cfg.num_layers == 6
+    assert (cfg.relative_attention_num_buckets, cfg.relative_attention_max_distance) == (32, 128)
+    assert cfg.dense_act_fn == "relu" and not cfg.is_gated_act
+    assert cfg.scale_decoder_outputs and cfg.max_prompt_tokens == 512
