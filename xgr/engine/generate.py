@@ -290,8 +290,8 @@ def _search_levels(
     Args:
         spec: trie, code map and scoring.
         first_log_probs: (R, codebook_size) float32 level-0 code log-probabilities.
-        beam: the beams' KV, (R * beam_width) rows; its written slots are reordered after
-            each selection (none yet for a decoder-only model).
+        beam: the beams' KV, (R * beam_width) rows; its written slots (none at level 0 for
+            a decoder-only model, the start token for an encoder-decoder) follow the beams.
         forward: ``forward(ids, level)`` runs the model over (R * beam_width,) int64 token
             ids (each beam's previous code) and returns (R * beam_width, hidden) head inputs.
         beam_width, top_k: search parameters.
@@ -313,7 +313,8 @@ def _search_levels(
     )
     row_base = torch.arange(num_requests, device=device)[:, None] * beam_width
     for level in range(1, num_levels):
-        beam.reorder((state.parents + row_base).reshape(-1))  # no-op while no slot is written
+        if beam.length:  # each beam inherits its parent's written slots
+            beam.reorder((state.parents + row_base).reshape(-1))
         ids = spec.sid_token_ids[level - 1][state.codes].clamp(0, vocab - 1)
         hidden = forward(ids.reshape(-1), level)
         beam.length += 1

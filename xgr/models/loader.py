@@ -47,7 +47,7 @@ def read_config(model_dir: str | Path) -> tuple[DecoderConfig | T5Config, dict]:
     except (OSError, json.JSONDecodeError) as exc:
         raise XgrError(f"cannot read {path}: {exc}") from exc
     if not isinstance(raw, dict):
-        raise XgrError(f"{path} is not a JSON object")
+        raise XgrError(f"cannot read {path}: not a JSON object")
     if raw.get("model_type") == T5_MODEL_TYPE:
         return T5Config.from_hf(raw), raw
     return DecoderConfig.from_hf(raw), raw

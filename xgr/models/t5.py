@@ -96,9 +96,9 @@ class T5Attention(nn.Module):
         out = torch.empty_like(q)
         for r, bias in enumerate(biases):
             span = slice(cu_seqlens[r], cu_seqlens[r + 1])
-            qs, ks, vs = (t[span].transpose(0, 1) for t in (q, k, v))  # [H, P, D]
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=bias, scale=1.0)
-            out[span] = o.transpose(0, 1)
+            qs, ks, vs = (t[span].transpose(0, 1)[None] for t in (q, k, v))  # [1, H, P, D]
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=bias[None], scale=1.0)
+            out[span] = o[0].transpose(0, 1)
         return self.project_out(out)
 
     def over_beam(
