@@ -137,3 +137,25 @@ def test_launcher_refuses_bad_arguments(change, message):
     )
     with pytest.raises(ValueError, match=message):
         kernel_module.beam_decode_attention(**change(args))
+
+
+@pytest.mark.parametrize(
+    ("lengths", "beam_width", "num_heads", "num_kv_heads", "head_dim"),
+    [([5], 3, 4, 4, 16), ([1, 70, 9], 4, 6, 6, 64), ([129, 3], 5, 8, 2, 32)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_shared_only_attention_matches_reference(
+    lengths, beam_width, num_heads, num_kv_heads, head_dim, dtype
+):
+    """Cross-attention of an encoder-decoder: the shared KV alone, T5's scale of 1."""
+    gen = torch.Generator().manual_seed(sum(lengths) + head_dim)
+    q, k, v, cu, *_ = make_inputs(
+        lengths, beam_width, num_heads, num_kv_heads, head_dim, 0, dtype, gen
+    )
+    expected, _ = shared_attention_reference(q, k, v, cu, beam_width, 1.0)
+    got = kernel_module.shared_decode_attention(
+        q, k, v, torch.tensor(cu, device=DEVICE), beam_width, 1.0
+    )
+    assert got.dtype == dtype and not torch.isnan(got).any()
+    error = (got.float() - expected).abs().max() / expected.abs().max()
+    assert error < TOLERANCE[dtype]

@@ -99,12 +99,12 @@ class Engine:
         self.sid_token_ids = torch.from_numpy(table).to(self.device)
         self._sid_token_ids_host = table
         self.trie = catalog.trie.to(self.device)
-        if encdec:  # the GPU kernels and graphs serve decoder-only models so far
-            self.attention_backend = "torch"
+        head_dim = model.config.d_kv if encdec else model.config.head_dim
+        self.attention_backend = select_attention_backend(self.device, head_dim)
+        if encdec and cuda_graphs and self.device.type == "cuda":
+            # Its encoder runs per prompt and its decoder over host offsets: eager so far.
             cuda_graphs = False
-            logger.info("T5 model: torch reference attention, no CUDA graphs (%s)", self.device)
-        else:
-            self.attention_backend = select_attention_backend(self.device, model.config.head_dim)
+            logger.info("T5 model: no CUDA graphs yet, eager on %s", self.device)
         self.decode_spec = DecodeSpec.build(
             model, self.trie, self.sid_token_ids, full_vocab, self.attention_backend
         )

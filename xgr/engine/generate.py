@@ -267,10 +267,12 @@ def decode_levels_encdec(
     )
     # One row per request: the start token's K/V goes to the request's first beam row, and
     # the reorder after level 0 points every beam of the request at it (all have parent 0).
-    hidden = model.decode(start, EncDecDecodeMetadata(shared, beam, cu_seqlens_host, 1, first_rows))
+    backend = spec.attention_backend
+    meta = EncDecDecodeMetadata(shared, beam, cu_seqlens_host, 1, first_rows, backend)
+    hidden = model.decode(start, meta)
     beam.length = 1
     all_rows = torch.arange(num_requests * beam_width, device=device)
-    meta = EncDecDecodeMetadata(shared, beam, cu_seqlens_host, beam_width, all_rows)
+    meta = EncDecDecodeMetadata(shared, beam, cu_seqlens_host, beam_width, all_rows, backend)
     first = spec.log_probs(hidden, 0)
     return _search_levels(
         spec, first, beam, lambda ids, _level: model.decode(ids, meta), beam_width, top_k

@@ -363,3 +363,35 @@ def beam_decode_attention(
     else:
         launch(shared=True, beam=True, out_partial=False)
     return out
+
+
+def shared_decode_attention(
+    q: torch.Tensor,
+    shared_k: torch.Tensor,
+    shared_v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    beam_width: int,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of every beam over its request's shared KV alone, with no beam tokens:
+    the cross-attention of an encoder-decoder (T5) over the encoder output, no mask.
+
+    Args:
+        q: (R * beam_width, num_heads, head_dim) fp16/bf16/fp32, one query per row.
+        shared_k, shared_v: (total_prompt_tokens, num_kv_heads, head_dim) packed KV.
+        cu_seqlens: (R + 1,) int32/int64 prompt offsets on the device.
+        beam_width: query rows per request.
+        scale: softmax scale (1.0 for T5).
+
+    Returns:
+        (R * beam_width, num_heads, head_dim) in q's dtype.
+
+    Raises:
+        ValueError: as ``beam_decode_attention``.
+    """
+    # The kernel's beam part reads no slot when num_beam_tokens is 0: a one-row stand-in.
+    none_k = q.new_zeros(1, 1, shared_k.shape[1], q.shape[2])
+    none_rows = torch.zeros(q.shape[0], 1, dtype=torch.int32, device=q.device)
+    return beam_decode_attention(
+        q, shared_k, shared_v, cu_seqlens, none_k, none_k, none_rows, 0, beam_width, scale
+    )

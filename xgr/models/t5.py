@@ -45,6 +45,8 @@ class EncDecDecodeMetadata:
         cu_seqlens: R + 1 host ints, prompt offsets in ``shared``.
         beam_width: query rows per request (rows are request-major).
         kv_rows: (N,) int64 ``beam`` row each query row writes and reads through.
+        backend: cross-attention by "torch" (the reference) or "triton" (the shared-KV
+            decode kernel, reading ``shared.cu_seqlens`` on the device).
     """
 
     shared: SharedKV
@@ -52,6 +54,7 @@ class EncDecDecodeMetadata:
     cu_seqlens: list[int]
     beam_width: int
     kv_rows: torch.Tensor
+    backend: str = "torch"
 
 
 class T5Attention(nn.Module):
@@ -133,14 +136,14 @@ class T5Attention(nn.Module):
     def over_encoder(self, x: torch.Tensor, layer: int, meta: EncDecDecodeMetadata) -> torch.Tensor:
         """Cross-attention of every query row over its request's encoder K/V (no mask, no
         position bias): (N, d_model) -> (N, d_model)."""
-        out, _ = shared_attention_reference(
-            self.heads(self.q, x),
-            meta.shared.k[layer],
-            meta.shared.v[layer],
-            meta.cu_seqlens,
-            meta.beam_width,
-            1.0,  # T5 folds the 1 / sqrt(d) scale into its initialization
-        )
+        q, k, v = self.heads(self.q, x), meta.shared.k[layer], meta.shared.v[layer]
+        scale = 1.0  # T5 folds the 1 / sqrt(d) scale into its initialization
+        if meta.backend == "triton":
+            from xgr.kernels.triton_decode_attention import shared_decode_attention
+
+            cu = meta.shared.cu_seqlens
+            return self.project_out(shared_decode_attention(q, k, v, cu, meta.beam_width, scale))
+        out, _ = shared_attention_reference(q, k, v, meta.cu_seqlens, meta.beam_width, scale)
         return self.project_out(out.to(x.dtype))
 
 
