@@ -1,0 +1,220 @@
+"""Encoder-decoder (T5) request latency: xgr against HF transformers' T5 beam search; GPU.
+
+Random-weight T5 models of two shapes serve a random catalog of 1M items (3 levels x 256
+codes): a TIGER-size model (d_model 128, 4 + 4 layers, 6 heads, d_ff 1024, a vocabulary of
+only the codes) and a larger OneRec-like one (d_model 1024, 12 + 12 layers, 16 heads, d_ff
+4096, gated GELU, T5's 32,128-token vocabulary with the codes as its last ids). For each
+history length (tokens) and beam width (top_k = beam width) it reports, for one request, the
+median and P99 wall time of ``Engine.recommend``, the device time of the encoder (prefill)
+and of the decode levels, and peak GPU memory. HF ``T5ForConditionalGeneration.generate``
+(num_beams = beam width, the catalog trie as ``prefix_allowed_tokens_fn``, length_penalty 0)
+runs on the same weights for the configurations in ``HF_CONFIGS``, with the speed-up, the
+peak-memory ratio and the top-10 overlap of the two.
+
+    python benchmarks/t5_latency.py --output benchmarks/results/t5-latency.json
+    python benchmarks/t5_latency.py --tiny --output /tmp/t5.json   # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import itertools
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from e2e_latency import CODEBOOK, hf_prefix_fn, random_catalog  # noqa: E402
+
+from xgr import Engine  # noqa: E402
+
+LEVELS = 3
+SPECIAL_TOKENS = 2  # pad (also the decoder start token) and eos
+SHAPES = {
+    "t5-tiger": dict(
+        d_model=128, d_kv=64, d_ff=1024, num_layers=4, num_decoder_layers=4, num_heads=6,
+        feed_forward_proj="relu", vocab_size=SPECIAL_TOKENS + LEVELS * CODEBOOK,
+    ),
+    "t5-onerec-like": dict(
+        d_model=1024, d_kv=64, d_ff=4096, num_layers=12, num_decoder_layers=12, num_heads=16,
+        feed_forward_proj="gated-gelu", vocab_size=32128,
+    ),
+}  # fmt: skip
+TINY = dict(
+    d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
+    feed_forward_proj="relu", vocab_size=SPECIAL_TOKENS + LEVELS * CODEBOOK,
+)  # fmt: skip
+HISTORIES = (256, 1024)
+BEAMS = (256, 512)
+# (shape, history tokens, beam width) also run through HF; the issue's goal is the last.
+HF_CONFIGS = [("t5-tiger", 256, 256), ("t5-onerec-like", 1024, 512)]
+
+
+def write_t5(shape: dict, folder: Path, dtype: torch.dtype) -> None:
+    """Save a random-weight HF T5 model of ``shape`` to ``folder`` (seeded: reproducible)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(
+        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, tie_word_embeddings=False,
+        **shape,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    T5ForConditionalGeneration(config).to(dtype).save_pretrained(folder)
+
+
+def sid_token_map(vocab_size: int) -> np.ndarray:
+    """(LEVELS, CODEBOOK) vocabulary id of each code: the vocabulary's last LEVELS x 256 ids."""
+    base = vocab_size - LEVELS * CODEBOOK
+    return base + np.arange(LEVELS * CODEBOOK).reshape(LEVELS, CODEBOOK)
+
+
+def history(rng: np.random.Generator, sid_map: np.ndarray, tokens: int) -> list[int]:
+    """A history of tokens // LEVELS random items, as their code tokens (TIGER's input)."""
+    codes = rng.integers(0, CODEBOOK, (tokens // LEVELS, LEVELS))
+    return sid_map[np.arange(LEVELS), codes].reshape(-1).tolist()
+
+
+def run_xgr(engine: Engine, prompt: list[int], beam_width: int, reps: int, device) -> dict:
+    def once():
+        return engine.recommend([prompt], beam_width, beam_width, num_results=10)[0]
+
+    for _ in range(2):  # warm-up: Triton compilation, allocator
+        once()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times, prefill, decode = [], [], []
+    for _ in range(reps):
+        start = time.perf_counter()
+        result = once()
+        times.append((time.perf_counter() - start) * 1e3)
+        prefill.append(result.prefill_ms)
+        decode.append(result.decode_ms)
+    row = {
+        "median_ms": statistics.median(times),
+        "p99_ms": float(np.percentile(times, 99)),
+        "prefill_ms": statistics.median(prefill),
+        "decode_ms": statistics.median(decode),
+        "top10": [list(codes) for codes, _ in result.semantic_ids],
+    }
+    if device == "cuda":
+        row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return row
+
+
+def run_hf(folder: Path, prompt, catalog, sid_map, beam_width, dtype, device) -> dict:
+    from transformers import T5ForConditionalGeneration
+
+    hf = T5ForConditionalGeneration.from_pretrained(folder, dtype=dtype).to(device).eval()
+    # Decoder ids are the start token, then the codes: the trie reads them from index 1.
+    prefix_fn = hf_prefix_fn(catalog, sid_map, 1)
+    ids = torch.tensor([prompt], device=device)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            num_beams=beam_width,
+            num_return_sequences=10,
+            do_sample=False,
+            length_penalty=0.0,
+            max_new_tokens=LEVELS,
+            prefix_allowed_tokens_fn=prefix_fn,
+            eos_token_id=None,
+        )
+    if device == "cuda":
+        torch.cuda.synchronize()
+    row = {"hf_ms": (time.perf_counter() - start) * 1e3}
+    code_of = {int(sid_map[d, c]): c for d in range(LEVELS) for c in range(CODEBOOK)}
+    row["hf_top10"] = [[code_of[t] for t in seq[1:]] for seq in out.tolist()]
+    if device == "cuda":
+        row["hf_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    del hf
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", type=Path, required=True)
+    parser.add_argument("--tiny", action="store_true", help="small shapes on the CPU (smoke)")
+    parser.add_argument("--shapes", nargs="*", default=list(SHAPES))
+    parser.add_argument("--no-hf", action="store_true", help="skip HF transformers")
+    args = parser.parse_args()
+    device = "cpu" if args.tiny else "cuda"
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    if args.tiny:
+        shapes, items, histories, beams, reps = {"tiny": TINY}, 5000, (30, 90), (16,), 3
+        hf_configs = [("tiny", 90, 16)]
+    else:
+        shapes = {k: SHAPES[k] for k in args.shapes}
+        items, histories, beams, reps, hf_configs = 1_000_000, HISTORIES, BEAMS, 10, HF_CONFIGS
+    report = {
+        "benchmark": "T5 encoder-decoder, one request: xgr vs HF beam search (top_k = beam)",
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "dtype": str(dtype).removeprefix("torch."),
+        "catalog_items": items,
+        "levels": LEVELS,
+        "codebook": CODEBOOK,
+        "results": [],
+    }
+    catalog = random_catalog(items, LEVELS)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    print(f"{'shape':<16}{'hist':>6}{'B':>5}{'median':>9}{'p99':>9}{'encode':>8}{'decode':>8}"
+          f"{'peak GiB':>9}{'HF ms':>9}{'speed-up':>9}{'top10':>6}", flush=True)  # fmt: skip
+    for name, shape in shapes.items():
+        sid_map = sid_token_map(shape["vocab_size"])
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = Path(tmp)
+            write_t5(shape, folder, dtype)
+            engine = Engine.from_pretrained(
+                folder, catalog, device=device, dtype=dtype, sid_token_ids=sid_map
+            )
+            for length, beam_width in itertools.product(histories, beams):
+                prompt = history(np.random.default_rng(length + beam_width), sid_map, length)
+                row = {"shape": name, "history_tokens": len(prompt), "beam_width": beam_width}
+                row.update(run_xgr(engine, prompt, beam_width, reps, device))
+                if not args.no_hf and (name, length, beam_width) in hf_configs:
+                    gc.collect()
+                    if device == "cuda":
+                        torch.cuda.empty_cache()
+                    row.update(run_hf(folder, prompt, catalog, sid_map, beam_width, dtype, device))
+                    row["speed_up"] = row["hf_ms"] / row["median_ms"]
+                    if "peak_gib" in row:
+                        row["memory_ratio"] = row["hf_peak_gib"] / row["peak_gib"]
+                    mine = {tuple(c) for c in row["top10"]}
+                    row["top10_overlap"] = len(mine & {tuple(c) for c in row["hf_top10"]})
+                report["results"].append(row)
+                args.output.write_text(json.dumps(report, indent=1) + "\n")
+                hf_cols = (
+                    f"{row['hf_ms']:9.1f}{row['speed_up']:9.1f}{row['top10_overlap']:6d}"
+                    if "hf_ms" in row
+                    else ""
+                )
+                print(
+                    f"{name:<16}{len(prompt):>6}{beam_width:>5}{row['median_ms']:9.2f}"
+                    f"{row['p99_ms']:9.2f}{row['prefill_ms']:8.2f}{row['decode_ms']:8.2f}"
+                    f"{row.get('peak_gib', float('nan')):9.2f}{hf_cols}",
+                    flush=True,
+                )
+            del engine
+            gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
