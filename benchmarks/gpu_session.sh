@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_session.sh attention   # decode attention table
 #   bash benchmarks/gpu_session.sh e2e         # whole-request latency table + HF
 #   bash benchmarks/gpu_session.sh profile     # kernel time of one request (L=1000, 5000)
+#   bash benchmarks/gpu_session.sh t5          # T5 shapes: one request, xgr vs HF
 #   bash benchmarks/gpu_session.sh serving 0   # req/s within P99 200 ms, batching vs not
 #                                               (one config of serving_throughput.py each)
 set -euo pipefail
@@ -14,11 +15,11 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/xgr-gpu}"
 mkdir -p "$OUT"
-case "${1:?phase: tests|attention|e2e|profile|serving}" in
+case "${1:?phase: tests|attention|e2e|profile|t5|serving}" in
   tests)
     # fastapi/uvicorn are absent on the device machine: only the engine's tests run there.
     timeout 400 python3 -m pytest -q -rs tests/kernels tests/beam tests/engine/test_engine_cuda.py \
-      tests/models/test_fuse.py 2>&1 | grep -v "^\.*$" | tail -30
+      tests/engine/test_t5_hf_equivalence.py tests/models/test_fuse.py tests/models/test_t5.py 2>&1 | grep -v "^\.*$" | tail -30
     ;;
   attention)
     timeout 300 python3 benchmarks/attention.py --output "$OUT/attention.json" 2>&1 | tail -40
@@ -31,6 +32,10 @@ case "${1:?phase: tests|attention|e2e|profile|serving}" in
       timeout 200 python3 benchmarks/profile_request.py --prompt-len "$L" --beam 256 \
         --output "$OUT/profile-L$L.json" 2>&1 | grep -v "USDT\|profiler_st" | tail -28
     done
+    ;;
+  t5)
+    timeout 560 python3 benchmarks/t5_latency.py --output "$OUT/t5.json" 2>&1 \
+      | grep -v "shards\|Loading weights" | tail -20
     ;;
   serving)
     timeout 560 python3 benchmarks/serving_throughput.py --configs "${2:-0}" --duration 3 \

@@ -7,7 +7,8 @@ starting from what one request at a time sustains) until P99 exceeds 200 ms or m
 requests fail; the highest rate that kept the budget is the setting's throughput. The load
 runs in-process (``xgr.bench``: the server's scheduler without HTTP). HF transformers cannot
 answer one such request within 200 ms (``e2e_latency.py`` measures it at seconds), so its
-throughput within the budget is 0; its single-request latency is taken from that benchmark.
+throughput within the budget is 0; its single-request latency is taken from that benchmark
+(``t5_latency.py`` for the T5 configurations, ``--configs 3 4``).
 
     python benchmarks/serving_throughput.py --output benchmarks/results/serving.json
     python benchmarks/serving_throughput.py --tiny --output /tmp/serving.json  # CPU smoke
@@ -22,6 +23,7 @@ import datetime
 import gc
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,6 +40,9 @@ from e2e_latency import (  # noqa: E402
     sid_token_map,
     xgr_model,
 )
+from t5_latency import SHAPES as T5_SHAPES  # noqa: E402
+from t5_latency import TINY as T5_TINY  # noqa: E402
+from t5_latency import write_t5  # noqa: E402
 
 from xgr import Engine  # noqa: E402
 from xgr.bench.serve import (  # noqa: E402
@@ -47,6 +52,7 @@ from xgr.bench.serve import (  # noqa: E402
     history_sampler,
     within_budget,
 )
+from xgr.models import load_model  # noqa: E402
 
 # (shape, prompt length, beam width, largest batch): the issue's goal configurations first.
 # The batch limits sit above what the 200 ms budget lets the deadline rule form (a batch of
@@ -55,11 +61,24 @@ CONFIGS = [
     ("qwen2.5-0.5b", 1000, 256, 32),
     ("qwen3-1.7b", 5000, 256, 8),
     ("qwen2.5-0.5b", 3000, 512, 16),
+    ("t5-onerec-like", 1024, 512, 16),  # encoder-decoders (t5_latency.py's shapes)
+    ("t5-tiger", 256, 256, 32),
 ]
-TINY_CONFIGS = [("tiny", 60, 16, 8)]
+TINY_CONFIGS = [("tiny", 60, 16, 8), ("tiny-t5", 60, 16, 8)]
 SPREAD = 0.2  # prompt lengths drawn within +-20% of L
 RATE_STEP = 1.5
 MAX_STEPS = 12
+
+
+def build_model(shape: str, tiny: bool, device: str):
+    """The xgr model of a configuration's shape: decoder-only from e2e_latency's shapes, T5
+    through a saved random HF folder and xgr's loader (t5_latency's shapes)."""
+    if shape in T5_SHAPES or shape == "tiny-t5":
+        dtype = torch.float32 if tiny else torch.bfloat16
+        with tempfile.TemporaryDirectory() as tmp:
+            write_t5(T5_TINY if tiny else T5_SHAPES[shape], Path(tmp), dtype)
+            return load_model(tmp, device, dtype)
+    return xgr_model(hf_model(TINY if tiny else SHAPES[shape], device))
 
 
 def sweep(engine, plan_for, start_rate: float, max_batch_size: int, max_batch_ms) -> dict:
@@ -121,7 +140,7 @@ def main() -> None:
         if shape not in models:
             models.clear()
             gc.collect()
-            models[shape] = xgr_model(hf_model(TINY if args.tiny else SHAPES[shape], device))
+            models[shape] = build_model(shape, args.tiny, device)
         model = models[shape]
         sid_map = sid_token_map(model.config.vocab_size, catalog.num_levels)
         print(f"{shape} L~{length} B={beam}", flush=True)
@@ -162,8 +181,9 @@ def main() -> None:
                 warm_up_s=warm_s,
             )
             row["settings"][label] = result
-            flops = request_flops(model.config, length, beam, catalog.num_levels)
-            if result["throughput_within_budget"] and device == "cuda":
+            encdec = model.is_encoder_decoder  # request_flops counts decoder-only models
+            flops = 0 if encdec else request_flops(model.config, length, beam, catalog.num_levels)
+            if result["throughput_within_budget"] and device == "cuda" and flops:
                 rate = result["throughput_within_budget"] * flops
                 result["matmul_rate_needed_tflops"] = rate / 1e12
             figures += [dataclasses.replace(p, mode=label) for p in _points(result)]
