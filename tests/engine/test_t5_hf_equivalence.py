@@ -72,12 +72,20 @@ def test_t5_on_cuda_equals_the_cpu_reference(t5_dirs):
     gpu = Engine.from_pretrained(
         t5_dirs[variant], catalog=catalog, sid_token_ids=sid_map, device="cuda"
     )
-    assert gpu.graphs is None and gpu.attention_backend == "triton"  # cross-attention
+    assert gpu.graphs is not None and gpu.attention_backend == "triton"  # cross-attention
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(2, 56, (n,), generator=gen).tolist() for n in (5, 23, 61)]
-    want = cpu.recommend(prompts, beam_width=32, top_k=32, num_results=32)
-    got = gpu.recommend(prompts, beam_width=32, top_k=32, num_results=32)
-    for g, w in zip(got, want, strict=True):
-        assert [codes for codes, _ in g.semantic_ids] == [codes for codes, _ in w.semantic_ids]
-        for (_, s_got), (_, s_want) in zip(g.semantic_ids, w.semantic_ids, strict=True):
-            assert s_got == pytest.approx(s_want, abs=1e-4)
+    eager = Engine.from_pretrained(
+        t5_dirs[variant], catalog=catalog, sid_token_ids=sid_map, device="cuda", cuda_graphs=False
+    )
+    search = dict(beam_width=32, top_k=32, num_results=32)
+    want = cpu.recommend(prompts, **search)
+    # The graph's capture, its replay on other prompts of the same batch shape, and eager.
+    got = gpu.recommend(prompts, **search)
+    replayed = gpu.recommend(prompts[::-1], **search)[::-1]
+    assert gpu.graphs.captures == 1  # one decode graph; the encoder runs eagerly
+    for results in (got, replayed, eager.recommend(prompts, **search)):
+        for g, w in zip(results, want, strict=True):
+            assert [c for c, _ in g.semantic_ids] == [c for c, _ in w.semantic_ids]
+            for (_, s_got), (_, s_want) in zip(g.semantic_ids, w.semantic_ids, strict=True):
+                assert s_got == pytest.approx(s_want, abs=1e-4)

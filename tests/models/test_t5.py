@@ -15,6 +15,7 @@ from transformers import T5ForConditionalGeneration
 
 from tests.conftest import write_random_t5
 from xgr import XgrError
+from xgr.engine.generate import allocate_shared_kv, prepare_inputs
 from xgr.layers.relative_position import relative_position_bucket
 from xgr.models import CausalLM, T5Config, T5Seq2SeqLM, load_causal_lm, load_model, load_t5
 from xgr.models.t5 import EncDecDecodeMetadata
@@ -62,8 +63,9 @@ def encode(model: T5Seq2SeqLM, prompts: list[list[int]]):
     cu = [0]
     for p in prompts:
         cu.append(cu[-1] + len(p))
-    shared = model.allocate_cross_kv([len(p) for p in prompts], torch.tensor(cu))
-    encoded = model.encode(torch.tensor([t for p in prompts for t in p]), cu, shared)
+    inputs = prepare_inputs(prompts, torch.device("cpu"))
+    shared = allocate_shared_kv(model, inputs)
+    encoded = model.encode(inputs.tokens, cu, shared)
     return encoded, shared, cu
 
 

@@ -172,6 +172,8 @@ class CudaGraphs:
         Several requests need packed flash attention (fp16/bf16) to share one padded buffer;
         a float32 batch of several requests prefills eagerly (without a log line: expected).
         """
+        if self.model.is_encoder_decoder:
+            return False  # the encoder runs eagerly (per-prompt attention with a position bias)
         if inputs.num_requests > 1 and self.model.lm_head.weight.dtype == torch.float32:
             return False
         if self._prefill_shape(inputs)[1] <= self.max_prefill_tokens:
@@ -207,9 +209,9 @@ class CudaGraphs:
             tokens = MIN_POOL_TOKENS
             while tokens < num_tokens:
                 tokens *= 2
-            cfg = self.model.config
+            layers, heads, head_dim = self.model.shared_kv_layout
             weight = self.model.lm_head.weight
-            shape = (cfg.num_layers, tokens, cfg.num_kv_heads, cfg.head_dim)
+            shape = (layers, tokens, heads, head_dim)
             self._graphs.clear()  # they hold the old pool's address
             self._pool_k = self._pool_v = None
             self._pool_k = torch.empty(shape, dtype=weight.dtype, device=weight.device)
@@ -270,8 +272,10 @@ class CudaGraphs:
         """The graph a batch of prompts of these lengths (tokens) replays for its prefill;
         None where that prefill runs eagerly (too many requests or tokens, float32 batches)."""
         total, num = sum(prompt_lens), len(prompt_lens)
-        if num > self.max_requests or (
-            num > 1 and self.model.lm_head.weight.dtype == torch.float32
+        if (
+            num > self.max_requests
+            or self.model.is_encoder_decoder
+            or (num > 1 and self.model.lm_head.weight.dtype == torch.float32)
         ):
             return None
         shape = self._shape(total, num, max(prompt_lens))
@@ -310,28 +314,36 @@ class CudaGraphs:
 
         Args:
             spec: the ``DecodeSpec`` (model, trie, scoring) the graph runs.
-            last_hidden: (R, hidden) prefill output at each prompt's last token.
+            last_hidden: (R, hidden) prefill output at each prompt's last token; None for
+                an encoder-decoder (its decoder starts from the start token).
             inputs: the batch's ``BatchInputs`` (device offsets and lengths).
             beam_width, top_k: search parameters.
 
         Returns:
             nodes, scores: (R, beam_width) graph-owned outputs; copy them before the next call.
         """
-        from xgr.engine.generate import decode_levels
+        from xgr.engine.generate import decode_levels, decode_levels_encdec
 
         key = ("decode", inputs.num_requests, beam_width, top_k)
         entry = self._graphs.get(key)
-        static = (last_hidden, inputs.prompt_lens, inputs.cu_seqlens)
+        if spec.model.is_encoder_decoder:
+            static = (inputs.cu_seqlens,)
+        else:
+            static = (last_hidden, inputs.prompt_lens, inputs.cu_seqlens)
         if entry is None:
-            hidden, lens, cu = (t.clone() for t in static)
-            shared = SharedKV(self._pool_k, self._pool_v, cu, [])
+            copies = tuple(t.clone() for t in static)
+            shared = SharedKV(self._pool_k, self._pool_v, copies[-1], [])
+            # The kernels read prompt offsets from the device; the host offsets of the
+            # capturing batch reach only the torch reference attention, never used here.
+            host_cu = inputs.cu_seqlens_host
 
             def run():
-                return decode_levels(
-                    spec, hidden, lens, shared, inputs.cu_seqlens_host, beam_width, top_k
-                )
+                if spec.model.is_encoder_decoder:
+                    return decode_levels_encdec(spec, shared, host_cu, beam_width, top_k)
+                hidden, lens, _ = copies
+                return decode_levels(spec, hidden, lens, shared, host_cu, beam_width, top_k)
 
-            entry = self._capture(key, run, (hidden, lens, cu))
+            entry = self._capture(key, run, copies)
         else:
             self._graphs.move_to_end(key)
             for dst, src in zip(entry.inputs, static, strict=True):

@@ -49,8 +49,8 @@ class Engine:
     Args:
         model: the decoder-only LM (its projections are fused in place,
             ``CausalLM.fuse_projections``) or the T5 encoder-decoder, already on its device
-            and dtype. A T5 model runs the torch reference attention without CUDA graphs on
-            every device.
+            and dtype. On CUDA a T5 model's encoder runs eagerly and its decoder levels from
+            CUDA graphs, with the Triton shared-KV kernel for cross-attention.
         catalog: the items served.
         sid_token_ids: (num_levels, codebook_size) int array, vocabulary id of each code.
         tokenizer: optional ``tokenizers.Tokenizer`` for string prompts.
@@ -99,12 +99,7 @@ class Engine:
         self.sid_token_ids = torch.from_numpy(table).to(self.device)
         self._sid_token_ids_host = table
         self.trie = catalog.trie.to(self.device)
-        head_dim = model.config.d_kv if encdec else model.config.head_dim
-        self.attention_backend = select_attention_backend(self.device, head_dim)
-        if encdec and cuda_graphs and self.device.type == "cuda":
-            # Its encoder runs per prompt and its decoder over host offsets: eager so far.
-            cuda_graphs = False
-            logger.info("T5 model: no CUDA graphs yet, eager on %s", self.device)
+        self.attention_backend = select_attention_backend(self.device, model.shared_kv_layout[2])
         self.decode_spec = DecodeSpec.build(
             model, self.trie, self.sid_token_ids, full_vocab, self.attention_backend
         )

@@ -13,8 +13,8 @@ Steps, for R prompts, beam width B and L levels:
 For an encoder-decoder (T5) the prefill is the encoder, which writes each decoder layer's
 cross-attention K/V as the shared KV; level 0's log-probabilities come from one decoder step
 over the decoder start token per request, whose self-attention K/V is slot 0 of the
-request's first beam row, inherited by all its beams through the ancestry index. This path
-runs eagerly with the torch reference attention.
+request's first beam row, inherited by all its beams through the ancestry index. On CUDA the
+encoder runs eagerly and the decode levels replay a CUDA graph, as for decoder-only models.
 
 Everything from the start of prefill to the end of the last level runs on the device with
 no host synchronization: the batch's host-built inputs go to the device in one copy before
@@ -327,13 +327,14 @@ def _search_levels(
     return state.nodes, state.scores
 
 
-def allocate_shared_kv(model: CausalLM, inputs: BatchInputs) -> SharedKV:
-    """Prompt KV buffers sized exactly for one batch (the eager path)."""
-    cfg, weight = model.config, model.lm_head.weight
+def allocate_shared_kv(model: CausalLM | T5Seq2SeqLM, inputs: BatchInputs) -> SharedKV:
+    """Prompt KV buffers sized exactly for one batch (the eager path); for an
+    encoder-decoder, the cross-attention K/V of its decoder layers."""
+    layers, heads, head_dim = model.shared_kv_layout
+    weight = model.lm_head.weight
     return SharedKV.allocate(
-        cfg.num_layers, inputs.seqlens, cfg.num_kv_heads, cfg.head_dim,
-        weight.dtype, weight.device, inputs.cu_seqlens,
-    )  # fmt: skip
+        layers, inputs.seqlens, heads, head_dim, weight.dtype, weight.device, inputs.cu_seqlens
+    )
 
 
 @torch.inference_mode()
@@ -372,25 +373,26 @@ def _generate(spec, prompts, beam_width, top_k, graphs) -> GenerationOutput:
         events[0].record()
     start = time.perf_counter()
     inputs = prepare_inputs(prompts, device)
-    encdec = spec.model.is_encoder_decoder  # eager only: the engine gives it no graphs
-    use_graph = not encdec and graphs is not None and graphs.accepts(inputs.num_requests)
-    if encdec:
-        shared = spec.model.allocate_cross_kv(inputs.seqlens, inputs.cu_seqlens)
-        spec.model.encode(inputs.tokens, inputs.cu_seqlens_host, shared)
-    elif use_graph and graphs.prefill_accepts(inputs):
+    encdec = spec.model.is_encoder_decoder
+    use_graph = graphs is not None and graphs.accepts(inputs.num_requests)
+    last_hidden = None
+    if use_graph and graphs.prefill_accepts(inputs):
         last_hidden = graphs.replay_prefill(inputs)
     else:
         shared = graphs.shared_kv(inputs) if use_graph else allocate_shared_kv(spec.model, inputs)
-        last_hidden = prefill(spec.model, inputs, shared)
+        if encdec:  # the encoder writes every decoder layer's cross-attention K/V
+            spec.model.encode(inputs.tokens, inputs.cu_seqlens_host, shared)
+        else:
+            last_hidden = prefill(spec.model, inputs, shared)
     if cuda:
         events[1].record()
     prefilled = time.perf_counter()
-    if encdec:
+    if use_graph:
+        nodes, scores = graphs.replay_decode(spec, last_hidden, inputs, beam_width, top_k)
+    elif encdec:
         nodes, scores = decode_levels_encdec(
             spec, shared, inputs.cu_seqlens_host, beam_width, top_k
         )
-    elif use_graph:
-        nodes, scores = graphs.replay_decode(spec, last_hidden, inputs, beam_width, top_k)
     else:
         nodes, scores = decode_levels(
             spec, last_hidden, inputs.prompt_lens, shared, inputs.cu_seqlens_host, beam_width, top_k

@@ -51,6 +51,12 @@ class CausalLM(nn.Module):
 
     is_encoder_decoder = False
 
+    @property
+    def shared_kv_layout(self) -> tuple[int, int, int]:
+        """(layers, KV heads, head_dim) of the prompt KV this model reads while decoding."""
+        cfg = self.config
+        return cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.config = cfg

@@ -238,6 +238,12 @@ class T5Seq2SeqLM(nn.Module):
 
     is_encoder_decoder = True
 
+    @property
+    def shared_kv_layout(self) -> tuple[int, int, int]:
+        """(layers, heads, d_kv) of the cross-attention K/V each decoder layer reads."""
+        cfg = self.config
+        return cfg.num_decoder_layers, cfg.num_heads, cfg.d_kv
+
     def __init__(self, cfg: T5Config) -> None:
         super().__init__()
         self.config = cfg
@@ -245,19 +251,6 @@ class T5Seq2SeqLM(nn.Module):
         self.encoder = T5Stack(cfg, cfg.num_layers, decoder=False)
         self.decoder = T5Stack(cfg, cfg.num_decoder_layers, decoder=True)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-
-    def allocate_cross_kv(self, seqlens: list[int], cu_seqlens: torch.Tensor) -> SharedKV:
-        """Cross-attention K/V buffers for prompts of ``seqlens`` tokens.
-
-        Args:
-            seqlens: R prompt lengths (tokens).
-            cu_seqlens: (R + 1,) int64 prompt offsets on the model's device.
-        """
-        cfg, weight = self.config, self.lm_head.weight
-        return SharedKV.allocate(
-            cfg.num_decoder_layers, seqlens, cfg.num_heads, cfg.d_kv,
-            weight.dtype, weight.device, cu_seqlens,
-        )  # fmt: skip
 
     def allocate_beam_kv(self, num_rows: int, capacity: int) -> BeamKV:
         """Self-attention K/V of ``num_rows`` beams, ``capacity`` decoder tokens each."""
