@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+
+# Triton kernels run under its interpreter on a machine without a GPU. Set before any test
+# module is imported: the flag must precede Triton's own import, which importing
+# transformers can already trigger.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from xgr import ItemCatalog
 

@@ -66,8 +66,23 @@ def test_errors_are_messages_not_tracebacks(served_model_dir, tmp_path):
         (("recommend", "--model", model, "--device", "foo", "--history", "x"), "unknown device"),
         (("recommend", "--model", model, "--top-k", "0", "--history", "item3"), "top_k"),
         (("serve", "--model", model, "--port", "99999"), "99999"),
-        (("serve", "--model", model, "--warm-up-tokens", "100000"), "exceed"),
+        (("serve", "--model", model, "--warm-up-tokens", "100000"), "100000 tokens exceed"),
         (("serve", "--model", model, "--max-batch-ms", "0"), "max_batch_ms"),
+        (
+            (
+                "bench",
+                "serve",
+                "--model",
+                model,
+                "--rate",
+                "5",
+                "--beam-width",
+                "8",
+                "--output",
+                str(tmp_path / "b.json"),
+            ),
+            "--num-results 10 exceeds --beam-width 8",
+        ),
         (("eval", "--model", model), "pass --demo"),
     ]
     for args, message in cases:

@@ -377,6 +377,8 @@ def bench_serve(
 
     if not rates and not concurrencies:
         raise click.UsageError("give at least one --rate or --concurrency")
+    if num_results > beam_width:  # every request would be refused (400)
+        raise click.UsageError(f"--num-results {num_results} exceeds --beam-width {beam_width}")
     if not source.given:
         raise click.UsageError("give --demo or --model (its catalog supplies the histories)")
     try:

@@ -368,10 +368,18 @@ def test_warm_up_checks_arguments_and_captures_nothing_on_the_cpu(model_dirs):
     for args, message in [
         ((0, 8, 8, 4), "prompt_tokens >= 1"),
         ((30, 8, 8, 0), "max_batch_size >= 1"),
-        ((30, 8, 8, 4, 1.0), "spread < 1"),
+        ((30, 8, 8, 4, 1.0), "spread"),
+        ((30, 8, 8, 4, float("nan")), "spread"),
+        ((float("inf"), 8, 8, 4), "integers"),
+        (("10", 8, 8, 4), "integers"),
+        ((10.7, 8, 8, 4), "integers"),
+        ((30, 8, 8, 2.5), "integers"),
+        ((30, 8, 8, True), "integers"),
         ((30, 0, 8, 4), "beam_width"),
     ]:
         with pytest.raises(XgrError, match=message):
             engine.warm_up(*args)
-    with pytest.raises(XgrError, match="exceed"):
-        engine.warm_up(engine.max_prompt_tokens, 8, 8, 1)
+    # The spread may reach past the prompt limit (such prompts are refused anyway) ...
+    assert engine.warm_up(engine.max_prompt_tokens, 8, 8, 1) == 0
+    with pytest.raises(XgrError, match=f"{engine.max_prompt_tokens + 1} tokens exceed"):
+        engine.warm_up(engine.max_prompt_tokens + 1, 8, 8, 1)  # ... the length itself not

@@ -360,19 +360,25 @@ class Engine:
             XgrError: bad arguments, or prompts longer than ``max_prompt_tokens``.
         """
         SearchParams(beam_width, top_k, 1)
-        if not 0 <= spread < 1 or prompt_tokens < 1 or max_batch_size < 1:
+        counts_ok = all(
+            isinstance(v, int | np.integer) and not isinstance(v, bool) and v >= 1
+            for v in (prompt_tokens, max_batch_size)
+        )
+        spread_ok = isinstance(spread, int | float) and not isinstance(spread, bool)
+        if not counts_ok or not (spread_ok and 0 <= spread < 1):
             raise XgrError(
-                f"need prompt_tokens >= 1, max_batch_size >= 1 and 0 <= spread < 1, got "
-                f"{prompt_tokens}, {max_batch_size}, {spread}"
+                f"need integers prompt_tokens >= 1 and max_batch_size >= 1, and 0 <= spread "
+                f"< 1, got {prompt_tokens!r}, {max_batch_size!r}, {spread!r}"
             )
-        longest = int(prompt_tokens * (1 + spread))
-        if longest > self.max_prompt_tokens:
+        if prompt_tokens > self.max_prompt_tokens:
             raise PromptTooLongError(
-                f"warm-up prompts of {longest} tokens exceed {self.max_prompt_tokens}"
+                f"warm-up prompts of {prompt_tokens} tokens exceed {self.max_prompt_tokens}"
             )
         lanes = [self.graphs, *self._lane_graphs]
         if self.device.type != "cuda" or lanes[0] is None:
             return 0
+        # Longer prompts are refused at admission: no batch of them needs a graph.
+        longest = min(int(prompt_tokens * (1 + spread)), self.max_prompt_tokens)
         before = sum(g.captures for g in lanes)
         shortest = max(1, int(prompt_tokens * (1 - spread)))
         # One batch per new prefill graph or new batch size (its decode graph); the lanes'

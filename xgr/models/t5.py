@@ -317,19 +317,19 @@ class T5Seq2SeqLM(nn.Module):
         return torch.log_softmax(self.lm_head(hidden).float(), dim=-1)
 
     def _encoder_biases(self, cu_seqlens: list[int]) -> list[torch.Tensor]:
-        """(num_heads, P, P) bidirectional position bias of each prompt (one per length)."""
-        table, device = self.encoder.position_bias_table, self.shared.weight.device
-        by_length: dict[int, torch.Tensor] = {}
-        biases = []
-        for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True):
-            n = end - start
-            if n not in by_length:
-                pos = torch.arange(n, device=device)
-                by_length[n] = relative_position_bias(
-                    table, pos, pos, True, self.config.relative_attention_max_distance
-                )
-            biases.append(by_length[n])
-        return biases
+        """(num_heads, P, P) bidirectional position bias of each prompt of P tokens.
+
+        The bias depends on key - query alone, so every prompt's is the top-left block of
+        the longest prompt's: one tensor serves the batch (views, no copies), where one per
+        length grew with the number of distinct lengths.
+        """
+        lengths = [end - start for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)]
+        pos = torch.arange(max(lengths), device=self.shared.weight.device)
+        full = relative_position_bias(
+            self.encoder.position_bias_table, pos, pos, True,
+            self.config.relative_attention_max_distance,
+        )  # fmt: skip
+        return [full[:, :n, :n] for n in lengths]
 
     def _decoder_bias(self, position: int, device: torch.device) -> torch.Tensor:
         """(num_heads, position + 1) causal bias of a query at ``position`` over 0..position."""
