@@ -70,10 +70,10 @@ def test_examples_pair_each_history_with_the_next_item(model_dir, cache_dir):
     sequence = leave_one_out(load_movielens(cache_dir)).histories[0][:12]
     examples = seq2seq_examples([sequence], engine.catalog, max_history=8)
     assert len(examples) == 11
-    last = examples[10]  # history items 2..9, target item 10 (the most recent 8 before it)
-    assert last.input_ids.tolist() == engine.history_prompt(sequence[2:10])
+    last = examples[10]  # target item 11, after the 8 most recent items 3..10
+    assert last.input_ids.tolist() == engine.history_prompt(sequence[3:11])
     sid_map = np.array(read_demo_metadata(model_dir)["sid_token_ids"])
-    codes = engine.catalog.codes_of(sequence[10])
+    codes = engine.catalog.codes_of(sequence[11])
     assert last.labels.tolist() == [int(sid_map[lvl, c]) for lvl, c in enumerate(codes)]
     assert examples[0].input_ids.tolist() == engine.history_prompt(sequence[:1])
 
