@@ -17,7 +17,8 @@ DEFAULT_ARCH = "qwen2"
 # Where the T5 default differs from the Qwen2 one (``DemoConfig.for_arch("t5")``). A T5
 # example teaches one item per encoder pass over its whole prompt, where a Qwen2 window
 # teaches every item it holds, so an epoch of the ~98k T5 pairs would take about 20 minutes
-# on 2 CPU cores: 1,000 steps of 32 pairs (a third of them) take about 7.
+# on 2 CPU cores: 1,000 steps of 32 pairs (a third of them) take about 4 at the 4 steps/s
+# measured on idle cores.
 T5_DEFAULTS: dict[str, object] = {
     "num_kv_heads": 4,
     "epochs": 1,
