@@ -120,7 +120,7 @@ def _engine_options(func):
             multiple=True,
             type=click.Choice(ARCHITECTURES),
             help="The demo model's architecture: qwen2 (decoder-only, the default) or t5 "
-            "(TIGER-style encoder-decoder). eval takes it more than once to compare.",
+            "(TIGER-style encoder-decoder); `xgr eval` takes several to compare them.",
         ),
         click.option(
             "--model",
@@ -214,6 +214,7 @@ def recommend(
 
         try:
             with Client(server) as client:
+                started = time.perf_counter()  # the request, not the client's set-up
                 result = client.recommend(list(history), **search)
         except XgrError as exc:
             _fail(exc)
@@ -270,7 +271,8 @@ def recommend(
 def evaluate(source, k, beam_width, max_users, output) -> None:
     """Leave-one-out Recall@K / NDCG@K of the demo model next to a most-popular baseline.
 
-    With several --arch, one row per architecture's model on the same users.
+    Runs on the demo's MovieLens data, so it needs --demo (--model and --catalog do not
+    apply). With several --arch, one row per architecture's model on the same users.
     """
     from xgr.demo import evaluate_demo, load_movielens
 

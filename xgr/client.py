@@ -14,10 +14,10 @@ _CODE = re.compile(r"<[a-z]+_(\d+)>")
 
 
 class ServerError(XgrError):
-    """The server refused a request; ``status`` is its HTTP status code."""
+    """The server refused a request; ``status`` is its HTTP status code (0: no answer)."""
 
     def __init__(self, status: int, message: str) -> None:
-        super().__init__(f"HTTP {status}: {message}")
+        super().__init__(f"HTTP {status}: {message}" if status else message)
         self.status = status
 
 
