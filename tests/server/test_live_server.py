@@ -175,3 +175,15 @@ def test_sigterm_finishes_admitted_requests(served_model_dir):
     finally:
         if server.poll() is None:
             server.kill()
+
+
+def test_an_unreachable_server_is_named_not_given_a_status():
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on once the socket closes
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with Client(f"http://127.0.0.1:{port}", timeout=5) as client:
+        with pytest.raises(ServerError, match=f"cannot reach http://127.0.0.1:{port}") as info:
+            client.recommend(["1", "2"], beam_width=4, num_results=2)
+    assert info.value.status == 0 and "HTTP" not in str(info.value)
