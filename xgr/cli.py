@@ -76,7 +76,7 @@ class ModelSource:
     def catalog(self):
         """The catalog alone (``--catalog``, else the model folder's), without the model."""
         from xgr import ItemCatalog
-        from xgr.engine.engine import DEFAULT_CATALOG_FILE
+        from xgr.engine.model_folder import DEFAULT_CATALOG_FILE
 
         try:
             return ItemCatalog.from_index_json(

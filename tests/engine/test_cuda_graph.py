@@ -5,10 +5,12 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from xgr.engine.cuda_graph import CaptureGate, CudaGraphs, _padding_segments, prefill_bucket
+from xgr.engine.warm_up import warm_up_batches
 from xgr.models import CausalLM
 from xgr.models.config import DecoderConfig
 
@@ -87,3 +89,17 @@ def test_padding_segments_cover_the_padding(padding, stand_ins):
     assert seg >= 1 or stand_ins == 0
     assert last >= 1 and seg * stand_ins + last == padding
     assert last <= seg + stand_ins + 1
+
+
+def test_warm_up_batches_cover_the_graphs_of_any_such_batch():
+    graphs = CudaGraphs(tiny_model(torch.bfloat16), max_requests=16)
+    shortest, longest, max_size = 300, 450, 6
+    batches, most = warm_up_batches(graphs, shortest, longest, max_size)
+    assert {len(b) for b in batches} == set(range(1, max_size + 1))
+    assert all(shortest <= n <= longest for b in batches for n in b)
+    keys = {graphs.prefill_key(b) for b in batches}
+    assert most >= max(k[2] for k in keys) and most >= max(sum(b) for b in batches)
+    rng = np.random.default_rng(0)
+    for _ in range(300):  # batches a load could form: their prefill graphs were warmed up
+        lens = rng.integers(shortest, longest + 1, rng.integers(1, max_size + 1)).tolist()
+        assert graphs.prefill_key(lens) in keys, lens

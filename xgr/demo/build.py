@@ -28,7 +28,7 @@ from xgr.core import XgrError
 from xgr.demo.config import DemoConfig
 from xgr.demo.movielens import MovieLensData, leave_one_out, load_movielens
 from xgr.demo.vocab import BOS, sid_token_ids
-from xgr.engine.engine import DEFAULT_CATALOG_FILE, TITLES_FILE
+from xgr.engine.model_folder import DEFAULT_CATALOG_FILE, TITLES_FILE
 from xgr.engine.prompt import PROMPT_FORMAT_FILE
 
 CATALOG_INDEX_FILE = DEFAULT_CATALOG_FILE

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import queue
 from collections.abc import Iterable, Sequence
@@ -14,7 +13,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 
-from xgr.catalog import CATALOG_METADATA_FILE, ItemCatalog, TitleIndex
+from xgr.catalog import ItemCatalog, TitleIndex
 from xgr.core import (
     ModelOutputError,
     PromptTooLongError,
@@ -25,7 +24,16 @@ from xgr.core import (
 )
 from xgr.engine.cuda_graph import CaptureGate, CudaGraphs
 from xgr.engine.generate import PREFILL_PAD_TOKEN, DecodeSpec, generate_semantic_ids
+from xgr.engine.model_folder import (
+    DEFAULT_CATALOG_FILE,
+    check_catalog_fingerprint,
+    load_titles,
+    load_tokenizer,
+    resolve_device,
+)
 from xgr.engine.prompt import PromptFormat
+from xgr.engine.warm_up import warm_up_batches
+from xgr.kernels.backend import select_attention_backend
 from xgr.models import CausalLM, T5Seq2SeqLM, load_model
 from xgr.models.sid_vocab import (
     sid_token_ids_from_tokenizer,
@@ -35,10 +43,6 @@ from xgr.models.sid_vocab import (
 
 logger = logging.getLogger(__name__)
 
-# Catalog file a demo or training pipeline saves beside the model; used when none is passed.
-DEFAULT_CATALOG_FILE = "catalog.index.json"
-# Optional item id -> title map beside the model, copied into results.
-TITLES_FILE = "items.json"
 
 Prompt = Sequence[int] | str
 
@@ -187,10 +191,10 @@ class Engine:
             model,
             catalog,
             sid_token_ids,
-            _load_tokenizer(model_dir),
+            load_tokenizer(model_dir),
             model_dir.name,
             prompt_format,
-            _load_titles(model_dir),
+            load_titles(model_dir),
             **options,
         )
 
@@ -381,19 +385,7 @@ class Engine:
         longest = min(int(prompt_tokens * (1 + spread)), self.max_prompt_tokens)
         before = sum(g.captures for g in lanes)
         shortest = max(1, int(prompt_tokens * (1 - spread)))
-        # One batch per new prefill graph or new batch size (its decode graph); the lanes'
-        # graphs have the same keys.
-        batches, keys, sizes = [], set(), set()
-        for size in range(1, max_batch_size + 1):
-            for total in range(size * shortest, size * longest + 1, 32):
-                for lens in _warm_up_batches(total, size, shortest, longest):
-                    key = lanes[0].prefill_key(lens)
-                    if key not in keys or size not in sizes:
-                        keys.add(key)
-                        sizes.add(size)
-                        batches.append(lens)
-        most = max(key[2] if key else 0 for key in keys)
-        most = max(most, max(sum(lens) for lens in batches))
+        batches, most = warm_up_batches(lanes[0], shortest, longest, max_batch_size)
         for stream, graphs in zip(self._streams, lanes, strict=True):
             graphs.reserve(most)  # growing the pool later would drop the graphs
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
@@ -426,18 +418,6 @@ class Engine:
         return result
 
 
-def _warm_up_batches(total: int, size: int, shortest: int, longest: int) -> list[list[int]]:
-    """Prompt lengths of ``size`` prompts in [shortest, longest] summing to ``total``: equal
-    lengths, and one prompt as long as possible (prefill graphs are keyed by the longest)."""
-    equal = [total // size + (i < total % size) for i in range(size)]
-    if size == 1:
-        return [equal]
-    top = min(longest, total - (size - 1) * shortest)
-    rest = total - top
-    skewed = [top] + [rest // (size - 1) + (i < rest % (size - 1)) for i in range(size - 1)]
-    return [equal, skewed]
-
-
 def _item_id_set(ids: Any, index: int) -> set[str]:
     """One prompt's ``exclude_item_ids`` entry as a set of item-id strings.
 
@@ -449,88 +429,3 @@ def _item_id_set(ids: Any, index: int) -> set[str]:
             f"exclude_item_ids[{index}] must be a list of item ids, got {type(ids).__name__}"
         )
     return {str(x) for x in ids}
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    """Parse and check a device name. Raises XgrError for an unknown or unavailable device."""
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise XgrError(f"unknown device {device!r}: {exc}") from exc
-    if parsed.type == "cuda" and not torch.cuda.is_available():
-        raise XgrError(f"device {device!r} asked for, but this torch build sees no CUDA GPU")
-    if parsed.type not in ("cpu", "cuda"):
-        raise XgrError(f"device {device!r} is not supported; use 'cpu' or 'cuda'")
-    if parsed.type == "cuda" and (parsed.index or 0) >= torch.cuda.device_count():
-        raise XgrError(f"device {device!r}: this machine has {torch.cuda.device_count()} GPUs")
-    return parsed
-
-
-def select_attention_backend(device: torch.device, head_dim: int) -> str:
-    """The decode-attention backend for ``device``, chosen once and logged.
-
-    Returns:
-        "triton" on CUDA devices, "torch" (the reference) elsewhere.
-
-    Raises:
-        XgrError: a CUDA device without Triton installed, or a head_dim the kernel lacks.
-    """
-    if device.type != "cuda":
-        backend = "torch"
-    else:
-        try:
-            from xgr.kernels.triton_decode_attention import SUPPORTED_HEAD_DIMS
-        except ImportError as exc:
-            raise XgrError(f"device {device} needs Triton for decode attention: {exc}") from exc
-        if head_dim not in SUPPORTED_HEAD_DIMS:
-            raise XgrError(
-                f"head_dim {head_dim} is not supported by the GPU decode kernel "
-                f"({SUPPORTED_HEAD_DIMS}); serve this model on the CPU"
-            )
-        backend = "triton"
-    logger.info("decode attention backend: %s (device %s)", backend, device)
-    return backend
-
-
-def check_catalog_fingerprint(model_dir: Path, catalog: ItemCatalog) -> None:
-    """Refuse a catalog whose fingerprint differs from the one saved beside the model.
-
-    Raises:
-        XgrError: the fingerprints differ. A folder with no saved fingerprint is accepted
-            (and logged), since plain HF checkpoints carry none.
-    """
-    path = model_dir / CATALOG_METADATA_FILE
-    if not path.exists():
-        logger.info("%s has no %s: catalog not checked", model_dir, CATALOG_METADATA_FILE)
-        return
-    saved = json.loads(path.read_text()).get("fingerprint")
-    if saved != catalog.fingerprint:
-        raise XgrError(
-            f"catalog fingerprint {catalog.fingerprint} does not match {saved} saved with the "
-            f"model in {path}: the model was trained on another catalog"
-        )
-
-
-def _load_titles(model_dir: Path) -> dict[str, str]:
-    """``items.json`` (item id -> title) of a model folder, or {} without one."""
-    path = model_dir / TITLES_FILE
-    if not path.exists():
-        return {}
-    try:
-        titles = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise XgrError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(titles, dict):
-        raise XgrError(f"{path} must be a JSON object of item id -> title")
-    return {str(k): str(v) for k, v in titles.items()}
-
-
-def _load_tokenizer(model_dir: Path) -> Any:
-    # tokenizer.json holds the whole fast tokenizer; reading it directly avoids transformers'
-    # AutoTokenizer, which picks a tokenizer class from config.json's model_type instead.
-    path = model_dir / "tokenizer.json"
-    if not path.exists():
-        return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(path))

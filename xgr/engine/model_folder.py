@@ -1,0 +1,80 @@
+"""What a model folder holds besides the model: catalog, fingerprint, titles, tokenizer."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from xgr.catalog import CATALOG_METADATA_FILE, ItemCatalog
+from xgr.core import XgrError
+
+logger = logging.getLogger(__name__)
+
+# Catalog file a demo or training pipeline saves beside the model; used when none is passed.
+DEFAULT_CATALOG_FILE = "catalog.index.json"
+# Optional item id -> title map beside the model, copied into results.
+TITLES_FILE = "items.json"
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """Parse and check a device name. Raises XgrError for an unknown or unavailable device."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise XgrError(f"unknown device {device!r}: {exc}") from exc
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise XgrError(f"device {device!r} asked for, but this torch build sees no CUDA GPU")
+    if parsed.type not in ("cpu", "cuda"):
+        raise XgrError(f"device {device!r} is not supported; use 'cpu' or 'cuda'")
+    if parsed.type == "cuda" and (parsed.index or 0) >= torch.cuda.device_count():
+        raise XgrError(f"device {device!r}: this machine has {torch.cuda.device_count()} GPUs")
+    return parsed
+
+
+def check_catalog_fingerprint(model_dir: Path, catalog: ItemCatalog) -> None:
+    """Refuse a catalog whose fingerprint differs from the one saved beside the model.
+
+    Raises:
+        XgrError: the fingerprints differ. A folder with no saved fingerprint is accepted
+            (and logged), since plain HF checkpoints carry none.
+    """
+    path = model_dir / CATALOG_METADATA_FILE
+    if not path.exists():
+        logger.info("%s has no %s: catalog not checked", model_dir, CATALOG_METADATA_FILE)
+        return
+    saved = json.loads(path.read_text()).get("fingerprint")
+    if saved != catalog.fingerprint:
+        raise XgrError(
+            f"catalog fingerprint {catalog.fingerprint} does not match {saved} saved with the "
+            f"model in {path}: the model was trained on another catalog"
+        )
+
+
+def load_titles(model_dir: Path) -> dict[str, str]:
+    """``items.json`` (item id -> title) of a model folder, or {} without one."""
+    path = model_dir / TITLES_FILE
+    if not path.exists():
+        return {}
+    try:
+        titles = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise XgrError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(titles, dict):
+        raise XgrError(f"{path} must be a JSON object of item id -> title")
+    return {str(k): str(v) for k, v in titles.items()}
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    """The folder's ``tokenizer.json`` as a ``tokenizers.Tokenizer``, or None without one."""
+    # tokenizer.json holds the whole fast tokenizer; reading it directly avoids transformers'
+    # AutoTokenizer, which picks a tokenizer class from config.json's model_type instead.
+    path = model_dir / "tokenizer.json"
+    if not path.exists():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))

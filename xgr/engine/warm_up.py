@@ -1,0 +1,44 @@
+"""The batches a warm-up runs so that a load's CUDA graphs exist before the load."""
+
+from __future__ import annotations
+
+# Prompt totals are stepped this finely (tokens): finer than any prefill bucket.
+TOTAL_STEP = 32
+
+
+def warm_up_batches(
+    graphs, shortest: int, longest: int, max_batch_size: int
+) -> tuple[list[list[int]], int]:
+    """Prompt lengths of the batches that capture every graph such a load replays.
+
+    One batch per new prefill graph (``CudaGraphs.prefill_key``) or new batch size (its
+    decode graph), over batches of 1..max_batch_size prompts of shortest..longest tokens;
+    every lane's graphs have the same keys.
+
+    Returns:
+        the batches (each a list of prompt lengths, tokens), and the most prompt-KV tokens
+        any of them needs (reserve it first: growing the pool drops the graphs).
+    """
+    batches, keys, sizes = [], set(), set()
+    for size in range(1, max_batch_size + 1):
+        for total in range(size * shortest, size * longest + 1, TOTAL_STEP):
+            for lens in _batch_shapes(total, size, shortest, longest):
+                key = graphs.prefill_key(lens)
+                if key not in keys or size not in sizes:
+                    keys.add(key)
+                    sizes.add(size)
+                    batches.append(lens)
+    most = max(max(key[2] if key else 0 for key in keys), max(sum(b) for b in batches))
+    return batches, most
+
+
+def _batch_shapes(total: int, size: int, shortest: int, longest: int) -> list[list[int]]:
+    """Prompt lengths of ``size`` prompts in [shortest, longest] summing to ``total``: equal
+    lengths, and one prompt as long as possible (prefill graphs are keyed by the longest)."""
+    equal = [total // size + (i < total % size) for i in range(size)]
+    if size == 1:
+        return [equal]
+    top = min(longest, total - (size - 1) * shortest)
+    rest = total - top
+    skewed = [top] + [rest // (size - 1) + (i < rest % (size - 1)) for i in range(size - 1)]
+    return [equal, skewed]
