@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e_latency import SHAPES, TINY, hf_model, random_catalog, sid_token_map, xgr_model  # noqa: E402
 
 from xgr import Engine  # noqa: E402
-from xgr.engine.generate import decode_levels, prefill, prepare_inputs  # noqa: E402
+from xgr.engine.decode import decode_levels  # noqa: E402
+from xgr.engine.generate import prefill, prepare_inputs  # noqa: E402
 
 FAMILIES = (  # first match wins; matched against lower-case kernel names
     ("decode attention (xgr Triton)", ("_beam_decode_attention",)),

@@ -87,7 +87,8 @@ def test_graph_replay_equals_eager_and_serves_other_prompt_lengths(model_dirs):
 
 
 def test_prefill_and_decode_make_no_host_sync(model_dirs):
-    from xgr.engine.generate import decode_levels, prefill, prepare_inputs
+    from xgr.engine.decode import decode_levels
+    from xgr.engine.generate import prefill, prepare_inputs
 
     catalog = random_catalog(600, 3, 16, seed=5)
     engine = Engine.from_pretrained(

@@ -322,7 +322,7 @@ class CudaGraphs:
         Returns:
             nodes, scores: (R, beam_width) graph-owned outputs; copy them before the next call.
         """
-        from xgr.engine.generate import decode_levels, decode_levels_encdec
+        from xgr.engine.decode import decode_levels, decode_levels_encdec
 
         key = ("decode", inputs.num_requests, beam_width, top_k)
         entry = self._graphs.get(key)

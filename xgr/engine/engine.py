@@ -23,7 +23,8 @@ from xgr.core import (
     XgrError,
 )
 from xgr.engine.cuda_graph import CaptureGate, CudaGraphs
-from xgr.engine.generate import PREFILL_PAD_TOKEN, DecodeSpec, generate_semantic_ids
+from xgr.engine.decode import DecodeSpec
+from xgr.engine.generate import PREFILL_PAD_TOKEN, generate_semantic_ids
 from xgr.engine.model_folder import (
     DEFAULT_CATALOG_FILE,
     check_catalog_fingerprint,
