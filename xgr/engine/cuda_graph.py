@@ -172,17 +172,14 @@ class CudaGraphs:
         Several requests need packed flash attention (fp16/bf16) to share one padded buffer;
         a float32 batch of several requests prefills eagerly (without a log line: expected).
         """
-        if self.model.is_encoder_decoder:
-            return False  # the encoder runs eagerly (per-prompt attention with a position bias)
-        if inputs.num_requests > 1 and self.model.lm_head.weight.dtype == torch.float32:
-            return False
-        if self._prefill_shape(inputs)[1] <= self.max_prefill_tokens:
+        if self.prefill_key(inputs.seqlens) is not None:
             return True
-        logger.info(
-            "prefill of %d tokens is above the CUDA-graph limit %d: running it eagerly",
-            inputs.num_tokens,
-            self.max_prefill_tokens,
-        )
+        if not self._eager_kind(inputs.num_requests):  # then the tokens are the reason
+            logger.info(
+                "prefill of %d tokens is above the CUDA-graph limit %d: running it eagerly",
+                inputs.num_tokens,
+                self.max_prefill_tokens,
+            )
         return False
 
     @property
@@ -229,8 +226,8 @@ class CudaGraphs:
         from xgr.layers.attention import PrefillMetadata
 
         num = inputs.num_requests
-        slots, padded, max_seqlen = self._prefill_shape(inputs)
-        key = ("prefill", slots, padded, max_seqlen)  # == prefill_key(inputs.seqlens)
+        key = self.prefill_key(inputs.seqlens)
+        _, slots, padded, max_seqlen = key
         self.shared_kv(inputs, padded)
         entry = self._graphs.get(key)
         if entry is None:
@@ -272,17 +269,17 @@ class CudaGraphs:
         """The graph a batch of prompts of these lengths (tokens) replays for its prefill;
         None where that prefill runs eagerly (too many requests or tokens, float32 batches)."""
         total, num = sum(prompt_lens), len(prompt_lens)
-        if (
-            num > self.max_requests
-            or self.model.is_encoder_decoder
-            or (num > 1 and self.model.lm_head.weight.dtype == torch.float32)
-        ):
+        if num > self.max_requests or self._eager_kind(num):
             return None
         shape = self._shape(total, num, max(prompt_lens))
         return None if shape[1] > self.max_prefill_tokens else ("prefill", *shape)
 
-    def _prefill_shape(self, inputs) -> tuple[int, int, int]:
-        return self._shape(inputs.num_tokens, inputs.num_requests, inputs.max_seqlen)
+    def _eager_kind(self, num_requests: int) -> bool:
+        """Prefills that never replay a graph, whatever their size: an encoder (per-prompt
+        attention with a position bias), and several float32 prompts (packed flash attention
+        needs fp16/bf16 to share one padded buffer)."""
+        float32 = self.model.lm_head.weight.dtype == torch.float32
+        return self.model.is_encoder_decoder or (num_requests > 1 and float32)
 
     def _shape(self, total: int, num: int, max_seqlen: int) -> tuple[int, int, int]:
         """(request slots, padded tokens, max sequence length) of a batch's prefill graph."""
