@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from xgr import ItemCatalog
@@ -40,19 +41,17 @@ def _results(sequences, scores, skip: int, sid_map: np.ndarray):
     ]
 
 
-def hf_constrained_beam_search(
-    model, prompt: list[int], catalog: ItemCatalog, sid_map: np.ndarray, beam_width: int
-) -> list[tuple[tuple[int, ...], float]]:
-    """``generate(num_beams=B, num_return_sequences=B, length_penalty=0, trie constraint)``.
+def _constrained_generate(model, prompt, catalog, sid_map, beam_width, skip: int, **options):
+    """``generate`` with the catalog trie over the generated tokens after the first ``skip``
+    of each sequence; ``options`` add to the common beam-search arguments.
 
     Returns:
-        [(codes, score)] best first, HF's filler beams (score <= -1e8, left when fewer valid
-        paths than beams exist) dropped.
+        generate's output, and its [(codes, score)] as ``_results`` gives them.
     """
     allowed_after = catalog_constraint(catalog, sid_map)
 
-    def prefix_fn(batch_id, input_ids):
-        return allowed_after(tuple(input_ids[len(prompt) :].tolist()))
+    def prefix_fn(batch_id, ids):
+        return allowed_after(tuple(ids[skip:].tolist()))
 
     out = model.generate(
         torch.tensor([prompt]),
@@ -65,10 +64,25 @@ def hf_constrained_beam_search(
         prefix_allowed_tokens_fn=prefix_fn,
         output_scores=True,
         return_dict_in_generate=True,
-        pad_token_id=0,
         eos_token_id=None,
+        **options,
     )
-    return _results(out.sequences, out.sequences_scores, len(prompt), sid_map)
+    return out, _results(out.sequences, out.sequences_scores, skip, sid_map)
+
+
+def hf_constrained_beam_search(
+    model, prompt: list[int], catalog: ItemCatalog, sid_map: np.ndarray, beam_width: int
+) -> list[tuple[tuple[int, ...], float]]:
+    """``generate(num_beams=B, num_return_sequences=B, length_penalty=0, trie constraint)``.
+
+    Returns:
+        [(codes, score)] best first, HF's filler beams (score <= -1e8, left when fewer valid
+        paths than beams exist) dropped.
+    """
+    _, results = _constrained_generate(
+        model, prompt, catalog, sid_map, beam_width, len(prompt), pad_token_id=0
+    )
+    return results
 
 
 def hf_t5_constrained_beam_search(
@@ -80,27 +94,20 @@ def hf_t5_constrained_beam_search(
     Returns:
         [(codes, score)] best first, filler beams dropped.
     """
-    allowed_after = catalog_constraint(catalog, sid_map)
-
-    def prefix_fn(batch_id, decoder_ids):
-        return allowed_after(tuple(decoder_ids[1:].tolist()))
-
-    out = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        num_beams=beam_width,
-        num_return_sequences=beam_width,
-        do_sample=False,
-        length_penalty=0.0,
+    out, results = _constrained_generate(
+        model, prompt, catalog, sid_map, beam_width, 1,
         early_stopping=True,
-        max_new_tokens=catalog.num_levels,
-        prefix_allowed_tokens_fn=prefix_fn,
-        output_scores=True,
-        return_dict_in_generate=True,
-        eos_token_id=None,
         # transformers 5.24's cache sizes itself by the encoder's layer count, which fails
         # for decoders with more layers; without it each step reruns the decoder (same result).
         use_cache=False,
-    )
+    )  # fmt: skip
     assert (out.sequences[:, 0] == model.config.decoder_start_token_id).all()
-    return _results(out.sequences, out.sequences_scores, 1, sid_map)
+    return results
+
+
+def assert_same_semantic_ids(got, expected, atol: float = 1e-4) -> None:
+    """Two [(codes, score)] lists (best first): the same codes in the same order, scores
+    within ``atol``."""
+    assert [codes for codes, _ in got] == [codes for codes, _ in expected]
+    for (_, s_got), (_, s_exp) in zip(got, expected, strict=True):
+        assert s_got == pytest.approx(s_exp, abs=atol)

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.conftest import ARCHS, random_catalog, sequential_sid_map
-from tests.hf_oracle import hf_constrained_beam_search
+from tests.hf_oracle import assert_same_semantic_ids, hf_constrained_beam_search
 from xgr import Engine
 
 NUM_LEVELS, CODEBOOK, OFFSET = 3, 16, 8
@@ -29,6 +29,4 @@ def test_equals_hf_beam_search(model_dirs, arch, beam_width):
         expected = hf_constrained_beam_search(hf, prompt, catalog, sid_map, beam_width)
         got = result.semantic_ids
         assert len(expected) == beam_width
-        assert [codes for codes, _ in got] == [codes for codes, _ in expected]
-        for (_, s_got), (_, s_exp) in zip(got, expected, strict=True):
-            assert s_got == pytest.approx(s_exp, abs=1e-4)
+        assert_same_semantic_ids(got, expected)

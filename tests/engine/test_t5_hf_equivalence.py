@@ -7,7 +7,7 @@ import torch
 from transformers import T5ForConditionalGeneration
 
 from tests.conftest import random_catalog, sequential_sid_map, write_random_t5
-from tests.hf_oracle import hf_t5_constrained_beam_search
+from tests.hf_oracle import assert_same_semantic_ids, hf_t5_constrained_beam_search
 from xgr import Engine
 from xgr.core import PromptTooLongError
 
@@ -46,9 +46,7 @@ def test_t5_equals_hf_beam_search(t5_dirs, variant, beam_width):
         expected = hf_t5_constrained_beam_search(hf, prompt, catalog, sid_map, beam_width)
         got = result.semantic_ids
         assert len(expected) == beam_width
-        assert [codes for codes, _ in got] == [codes for codes, _ in expected]
-        for (_, s_got), (_, s_exp) in zip(got, expected, strict=True):
-            assert s_got == pytest.approx(s_exp, abs=1e-4)
+        assert_same_semantic_ids(got, expected)
 
 
 def test_t5_prompt_limit(tmp_path):
@@ -86,9 +84,7 @@ def test_t5_on_cuda_equals_the_cpu_reference(t5_dirs):
     assert gpu.graphs.captures == 1  # one decode graph; the encoder runs eagerly
     for results in (got, replayed, eager.recommend(prompts, **search)):
         for g, w in zip(results, want, strict=True):
-            assert [c for c, _ in g.semantic_ids] == [c for c, _ in w.semantic_ids]
-            for (_, s_got), (_, s_want) in zip(g.semantic_ids, w.semantic_ids, strict=True):
-                assert s_got == pytest.approx(s_want, abs=1e-4)
+            assert_same_semantic_ids(g.semantic_ids, w.semantic_ids)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
