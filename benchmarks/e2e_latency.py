@@ -23,7 +23,6 @@ import datetime
 import gc
 import itertools
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import graph_ms  # noqa: E402
+from timing import graph_ms, time_recommend  # noqa: E402
 
 from xgr import Engine, ItemCatalog  # noqa: E402
 from xgr.beam import BeamState, constrained_beam_step  # noqa: E402
@@ -138,29 +137,13 @@ def run_xgr(engine, cfg, length, beam_width, requests, reps, matmul_rate, device
     rng = np.random.default_rng(length + beam_width + requests)
     vocab_base = cfg.vocab_size - engine.catalog.num_levels * CODEBOOK
     prompts = [rng.integers(0, vocab_base, length).tolist() for _ in range(requests)]
-    for _ in range(2):  # capture the graph, then one warm replay
-        engine.recommend(prompts, beam_width=beam_width, top_k=beam_width)
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    wall, prefill, decode = [], [], []
-    for _ in range(reps):
-        start = time.perf_counter()
-        results = engine.recommend(prompts, beam_width=beam_width, top_k=beam_width)
-        wall.append((time.perf_counter() - start) * 1e3)
-        prefill.append(results[0].prefill_ms)
-        decode.append(results[0].decode_ms)
+    row, results = time_recommend(
+        lambda: engine.recommend(prompts, beam_width=beam_width, top_k=beam_width), reps, device
+    )
     levels = engine.catalog.num_levels
-    row = {
-        "median_ms": statistics.median(wall),
-        "p99_ms": float(np.percentile(wall, 99)),
-        "prefill_ms": statistics.median(prefill),
-        "decode_ms": statistics.median(decode),
-        "reps": reps,
-        "top10": [[c for c, _ in r.semantic_ids[:10]] for r in results],
-    }
+    row["reps"] = reps
+    row["top10"] = [[c for c, _ in r.semantic_ids[:10]] for r in results]
     if device == "cuda":
-        row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         sel = selection_ms(engine, requests, beam_width)
         row["selection_ms_per_level"] = sel
         row["selection_ms"] = sum(sel)
@@ -198,11 +181,27 @@ def hf_prefix_fn(catalog: ItemCatalog, sid_map: np.ndarray, prompt_len: int):
 def run_hf(hf, catalog, sid_map, cfg, length, beam_width, device) -> dict:
     rng = np.random.default_rng(length + beam_width + 1)
     prompt = rng.integers(0, cfg.vocab_size - sid_map.size, length).tolist()
-    prefix_fn = hf_prefix_fn(catalog, sid_map, length)
-    ids = torch.tensor([prompt], device=device)
+    row = hf_generate(hf, prompt, catalog, sid_map, beam_width, length, device, pad_token_id=0)
+    return {**row, "prompt": prompt}
 
-    def generate():
-        return hf.generate(
+
+def hf_generate(hf, prompt, catalog, sid_map, beam_width, skip: int, device, **options) -> dict:
+    """One timed HF ``generate`` (beam search, the catalog trie as prefix_allowed_tokens_fn,
+    length_penalty 0): wall ms, its top-10 codes, peak GPU GiB on CUDA.
+
+    Args:
+        skip: tokens of each output sequence before the codes (the prompt for a decoder-only
+            model, the decoder start token for an encoder-decoder).
+        options: further ``generate`` arguments.
+    """
+    prefix_fn = hf_prefix_fn(catalog, sid_map, skip)
+    ids = torch.tensor([prompt], device=device)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = hf.generate(
             ids,
             attention_mask=torch.ones_like(ids),
             num_beams=beam_width,
@@ -211,23 +210,15 @@ def run_hf(hf, catalog, sid_map, cfg, length, beam_width, device) -> dict:
             length_penalty=0.0,
             max_new_tokens=catalog.num_levels,
             prefix_allowed_tokens_fn=prefix_fn,
-            pad_token_id=0,
             eos_token_id=None,
+            **options,
         )
-
     if device == "cuda":
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = generate()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    ms = (time.perf_counter() - start) * 1e3
+    row = {"hf_ms": (time.perf_counter() - start) * 1e3}
     levels = sid_map.shape[0]
     code_of = {int(sid_map[d, c]): c for d in range(levels) for c in range(CODEBOOK)}
-    top10 = [[code_of[t] for t in seq[length:]] for seq in out.tolist()]
-    row = {"hf_ms": ms, "hf_top10": top10, "prompt": prompt}
+    row["hf_top10"] = [[code_of[t] for t in seq[skip:]] for seq in out.tolist()]
     if device == "cuda":
         row["hf_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return row

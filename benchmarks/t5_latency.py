@@ -22,10 +22,8 @@ import datetime
 import gc
 import itertools
 import json
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e_latency import CODEBOOK, hf_prefix_fn, random_catalog  # noqa: E402
+from e2e_latency import CODEBOOK, hf_generate, random_catalog, sid_token_map  # noqa: E402
+from timing import time_recommend  # noqa: E402
 
 from xgr import Engine  # noqa: E402
 
@@ -71,12 +70,6 @@ def write_t5(shape: dict, folder: Path, dtype: torch.dtype) -> None:
     T5ForConditionalGeneration(config).to(dtype).save_pretrained(folder)
 
 
-def sid_token_map(vocab_size: int) -> np.ndarray:
-    """(LEVELS, CODEBOOK) vocabulary id of each code: the vocabulary's last LEVELS x 256 ids."""
-    base = vocab_size - LEVELS * CODEBOOK
-    return base + np.arange(LEVELS * CODEBOOK).reshape(LEVELS, CODEBOOK)
-
-
 def history(rng: np.random.Generator, sid_map: np.ndarray, tokens: int) -> list[int]:
     """A history of tokens // LEVELS random items, as their code tokens (TIGER's input)."""
     codes = rng.integers(0, CODEBOOK, (tokens // LEVELS, LEVELS))
@@ -84,31 +77,10 @@ def history(rng: np.random.Generator, sid_map: np.ndarray, tokens: int) -> list[
 
 
 def run_xgr(engine: Engine, prompt: list[int], beam_width: int, reps: int, device) -> dict:
-    def once():
-        return engine.recommend([prompt], beam_width, beam_width, num_results=10)[0]
-
-    for _ in range(2):  # warm-up: Triton compilation, allocator
-        once()
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    times, prefill, decode = [], [], []
-    for _ in range(reps):
-        start = time.perf_counter()
-        result = once()
-        times.append((time.perf_counter() - start) * 1e3)
-        prefill.append(result.prefill_ms)
-        decode.append(result.decode_ms)
-    row = {
-        "median_ms": statistics.median(times),
-        "p99_ms": float(np.percentile(times, 99)),
-        "prefill_ms": statistics.median(prefill),
-        "decode_ms": statistics.median(decode),
-        "top10": [list(codes) for codes, _ in result.semantic_ids],
-    }
-    if device == "cuda":
-        row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    return row
+    row, (result,) = time_recommend(
+        lambda: engine.recommend([prompt], beam_width, beam_width, num_results=10), reps, device
+    )
+    return {**row, "top10": [list(codes) for codes, _ in result.semantic_ids]}
 
 
 def run_hf(folder: Path, prompt, catalog, sid_map, beam_width, dtype, device) -> dict:
@@ -116,31 +88,7 @@ def run_hf(folder: Path, prompt, catalog, sid_map, beam_width, dtype, device) ->
 
     hf = T5ForConditionalGeneration.from_pretrained(folder, dtype=dtype).to(device).eval()
     # Decoder ids are the start token, then the codes: the trie reads them from index 1.
-    prefix_fn = hf_prefix_fn(catalog, sid_map, 1)
-    ids = torch.tensor([prompt], device=device)
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            num_beams=beam_width,
-            num_return_sequences=10,
-            do_sample=False,
-            length_penalty=0.0,
-            max_new_tokens=LEVELS,
-            prefix_allowed_tokens_fn=prefix_fn,
-            eos_token_id=None,
-        )
-    if device == "cuda":
-        torch.cuda.synchronize()
-    row = {"hf_ms": (time.perf_counter() - start) * 1e3}
-    code_of = {int(sid_map[d, c]): c for d in range(LEVELS) for c in range(CODEBOOK)}
-    row["hf_top10"] = [[code_of[t] for t in seq[1:]] for seq in out.tolist()]
-    if device == "cuda":
-        row["hf_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    row = hf_generate(hf, prompt, catalog, sid_map, beam_width, 1, device)
     del hf
     return row
 
@@ -176,7 +124,7 @@ def main() -> None:
     print(f"{'shape':<16}{'hist':>6}{'B':>5}{'median':>9}{'p99':>9}{'encode':>8}{'decode':>8}"
           f"{'peak GiB':>9}{'HF ms':>9}{'speed-up':>9}{'top10':>6}", flush=True)  # fmt: skip
     for name, shape in shapes.items():
-        sid_map = sid_token_map(shape["vocab_size"])
+        sid_map = sid_token_map(shape["vocab_size"], LEVELS)
         with tempfile.TemporaryDirectory() as tmp:
             folder = Path(tmp)
             write_t5(shape, folder, dtype)

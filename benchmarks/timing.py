@@ -1,9 +1,12 @@
-"""GPU timing shared by the benchmarks: CUDA-graph replays (device time, no launch gaps)."""
+"""Timing shared by the benchmarks: CUDA-graph replays (device time, no launch gaps), and
+whole ``Engine.recommend`` calls (wall time)."""
 
 from __future__ import annotations
 
 import statistics
+import time
 
+import numpy as np
 import torch
 
 
@@ -36,3 +39,35 @@ def graph_ms(fn, calls: int = 8, replays: int = 25) -> float:
         times.append(start.elapsed_time(end) / calls)
     del graph
     return statistics.median(times)
+
+
+def time_recommend(recommend, reps: int, device: str) -> tuple[dict, list]:
+    """Wall time of ``recommend()`` (an ``Engine.recommend`` call returning its results),
+    after two warm-up calls (graph capture, Triton compilation, one warm replay).
+
+    Returns:
+        a row of median and P99 wall ms, the median prefill and decode ms of the first
+        result (device time on CUDA), peak GPU GiB of the timed calls on CUDA; and the
+        last call's results.
+    """
+    for _ in range(2):
+        recommend()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    wall, prefill, decode = [], [], []
+    for _ in range(reps):
+        start = time.perf_counter()
+        results = recommend()
+        wall.append((time.perf_counter() - start) * 1e3)
+        prefill.append(results[0].prefill_ms)
+        decode.append(results[0].decode_ms)
+    row = {
+        "median_ms": statistics.median(wall),
+        "p99_ms": float(np.percentile(wall, 99)),
+        "prefill_ms": statistics.median(prefill),
+        "decode_ms": statistics.median(decode),
+    }
+    if device == "cuda":
+        row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return row, results
