@@ -54,6 +54,15 @@ def test_bfloat16_gpu_keeps_the_top_items(model_dirs):
     assert np.mean(overlaps) >= 8
 
 
+def bf16_engine(model_dir, seed, **options):
+    """A bfloat16 CUDA engine over a random 600-item catalog (3 levels of 16 codes)."""
+    catalog = random_catalog(600, 3, 16, seed=seed)
+    return Engine.from_pretrained(
+        model_dir, catalog, device="cuda", dtype="bfloat16",
+        sid_token_ids=sequential_sid_map(3, 16, 8), **options,
+    )  # fmt: skip
+
+
 def graphed_and_eager(model_dir, catalog):
     """float32 CUDA engines over one model folder: with CUDA graphs, and without."""
     sid_map = sequential_sid_map(3, 16, 8)
@@ -90,11 +99,7 @@ def test_prefill_and_decode_make_no_host_sync(model_dirs):
     from xgr.engine.decode import decode_levels
     from xgr.engine.generate import prefill, prepare_inputs
 
-    catalog = random_catalog(600, 3, 16, seed=5)
-    engine = Engine.from_pretrained(
-        model_dirs["qwen2"], catalog, device="cuda", dtype="bfloat16",
-        sid_token_ids=sequential_sid_map(3, 16, 8),
-    )  # fmt: skip
+    engine = bf16_engine(model_dirs["qwen2"], seed=5)
     prompts = [[1, 2, 3, 4], list(range(8, 90))]
     engine.recommend(prompts, beam_width=16, top_k=8, num_results=5)  # capture and compile first
     assert engine.graphs.captures == 2  # the padded prefill and the decode levels
@@ -121,11 +126,7 @@ def test_prefill_and_decode_make_no_host_sync(model_dirs):
 def test_one_packed_prefill_graph_serves_every_batch_size_of_a_bucket(model_dirs):
     from xgr.engine.generate import prefill, prepare_inputs
 
-    catalog = random_catalog(600, 3, 16, seed=15)
-    engine = Engine.from_pretrained(
-        model_dirs["qwen3"], catalog, device="cuda", dtype="bfloat16",
-        sid_token_ids=sequential_sid_map(3, 16, 8),
-    )  # fmt: skip
+    engine = bf16_engine(model_dirs["qwen3"], seed=15)
     graphs, gen = engine.graphs, torch.Generator().manual_seed(16)
     for lengths in ((30, 41), (10, 20, 33), (5,) * 8 + (40,), (2, 60, 1, 7)):
         prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in lengths]
@@ -217,11 +218,7 @@ def test_two_streams_run_batches_concurrently_with_the_same_results(model_dirs):
 def test_warm_up_captures_every_shape_the_load_then_needs(model_dirs):
     from concurrent.futures import ThreadPoolExecutor
 
-    catalog = random_catalog(600, 3, 16, seed=17)
-    engine = Engine.from_pretrained(
-        model_dirs["qwen3"], catalog, device="cuda", dtype="bfloat16",
-        sid_token_ids=sequential_sid_map(3, 16, 8), cuda_streams=2,
-    )  # fmt: skip
+    engine = bf16_engine(model_dirs["qwen3"], seed=17, cuda_streams=2)
     captured = engine.warm_up(40, 16, 16, max_batch_size=4, spread=0.2)
     lanes = [engine.graphs, *engine._lane_graphs]
     assert captured == sum(g.captures for g in lanes) and captured >= 2 * (4 + 1)
