@@ -93,12 +93,55 @@ def run_hf(folder: Path, prompt, catalog, sid_map, beam_width, dtype, device) ->
     return row
 
 
+def profile_t5(folder: Path, catalog, sid_map, prompt, beam_width, dtype, device) -> dict:
+    """Device time per kernel family and the top kernels of one request, eager (so the
+    profiler sees each kernel), split into the encoder and the decode levels."""
+    from profile_request import kernel_table
+    from torch.profiler import ProfilerActivity, profile
+
+    from xgr.engine.decode import decode_levels_encdec
+    from xgr.engine.generate import allocate_shared_kv, prepare_inputs
+
+    engine = Engine.from_pretrained(
+        folder, catalog, device=device, dtype=dtype, sid_token_ids=sid_map, cuda_graphs=False
+    )
+    engine.recommend([prompt], beam_width, beam_width)  # compiles the Triton kernels
+    cuda = device == "cuda"
+    activity = [ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    report = {}
+    with torch.inference_mode():
+        inputs = prepare_inputs([prompt], engine.device)
+        shared = allocate_shared_kv(engine.model, inputs)
+        cu = inputs.cu_seqlens_host
+        phases = {
+            "encoder": lambda: engine.model.encode(inputs.tokens, cu, shared),
+            "decode levels": lambda: decode_levels_encdec(
+                engine.decode_spec, shared, cu, beam_width, beam_width
+            ),
+        }
+        for phase, run in phases.items():
+            sync()
+            with profile(activities=activity) as prof:
+                run()
+                sync()
+            families, top = kernel_table(prof, cuda)
+            report[phase] = {"families_ms": families, "top_kernels": top}
+            print(f"{phase}: {sum(families.values()):.2f} ms of kernels")
+            for name, ms, calls in top[:10]:
+                print(f"  {ms:7.2f} ms {calls:5d}x  {name[:90]}")
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", type=Path, required=True)
     parser.add_argument("--tiny", action="store_true", help="small shapes on the CPU (smoke)")
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES))
     parser.add_argument("--no-hf", action="store_true", help="skip HF transformers")
+    parser.add_argument(
+        "--profile", action="store_true", help="also profile the kernels of HF_CONFIGS' last"
+    )
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -145,6 +188,10 @@ def main() -> None:
                         row["memory_ratio"] = row["hf_peak_gib"] / row["peak_gib"]
                     mine = {tuple(c) for c in row["top10"]}
                     row["top10_overlap"] = len(mine & {tuple(c) for c in row["hf_top10"]})
+                if args.profile and (name, length, beam_width) == hf_configs[-1]:
+                    row["profile"] = profile_t5(
+                        folder, catalog, sid_map, prompt, beam_width, dtype, device
+                    )
                 report["results"].append(row)
                 args.output.write_text(json.dumps(report, indent=1) + "\n")
                 hf_cols = (

@@ -9,10 +9,18 @@ import numpy as np
 import pytest
 import torch
 
-from xgr.engine.cuda_graph import CaptureGate, CudaGraphs, _padding_segments, prefill_bucket
+from xgr.engine.cuda_graph import (
+    MAX_ENCODER_MASK_BYTES,
+    CaptureGate,
+    CudaGraphs,
+    _padding_segments,
+    encoder_bucket,
+    prefill_bucket,
+)
 from xgr.engine.warm_up import warm_up_batches
 from xgr.models import CausalLM
-from xgr.models.config import DecoderConfig
+from xgr.models.config import DecoderConfig, T5Config
+from xgr.models.t5 import T5Seq2SeqLM
 
 
 def tiny_model(dtype):
@@ -81,6 +89,37 @@ def test_packed_prefill_keys_do_not_depend_on_the_batch_size():
     assert graphs.prefill_key([1] * 17) is None  # above max_requests: eager
     assert graphs.prefill_key([40_000, 40_000]) is None  # above max_prefill_tokens
     assert CudaGraphs(tiny_model(torch.float32)).prefill_key([3, 4]) is None  # fp32: eager
+
+
+def tiny_t5(dtype, num_heads=4):
+    raw = dict(
+        model_type="t5", vocab_size=96, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+        num_heads=num_heads, feed_forward_proj="relu", decoder_start_token_id=0,
+    )  # fmt: skip
+    with torch.device("meta"):
+        return T5Seq2SeqLM(T5Config.from_hf(raw)).to(dtype)
+
+
+@pytest.mark.parametrize(
+    ("max_len", "bucket"), [(1, 64), (64, 64), (65, 128), (300, 320), (1023, 1024), (1200, 1280)]
+)
+def test_encoder_bucket_values(max_len, bucket):
+    assert encoder_bucket(max_len) == bucket
+
+
+def test_encoder_keys_pad_slots_to_powers_of_two_and_respect_the_mask_limit():
+    graphs = CudaGraphs(tiny_t5(torch.bfloat16), max_requests=16)
+    assert graphs.prefill_key([100]) == ("encode", 1, 128, 128)
+    # slots: the next power of two; P: the longest prompt's bucket; float32 too
+    assert graphs.prefill_key([30, 41, 100]) == ("encode", 4, 512, 128)
+    assert graphs.prefill_key([5] * 9) == ("encode", 16, 1024, 64)
+    assert CudaGraphs(tiny_t5(torch.float32)).prefill_key([3, 4]) == ("encode", 2, 128, 64)
+    assert graphs.prefill_key([1] * 17) is None  # above max_requests: eager
+    # The mask, 16 slots x 4 heads x P^2 x 2 bytes, passes 1 GiB between P = 2816 and 3072.
+    assert 16 * 4 * 2816**2 * 2 <= MAX_ENCODER_MASK_BYTES < 16 * 4 * 3072**2 * 2
+    assert graphs.prefill_key([10] * 9 + [2816]) == ("encode", 16, 16 * 2816, 2816)
+    assert graphs.prefill_key([10] * 9 + [2817]) is None
+    assert graphs.prefill_key([2817]) == ("encode", 1, 3072, 3072)  # one slot: 1/16 of it
 
 
 @pytest.mark.parametrize(("padding", "stand_ins"), [(1, 0), (70, 62), (5000, 3), (300, 299)])

@@ -16,6 +16,7 @@ from transformers import T5ForConditionalGeneration
 from tests.conftest import write_random_t5
 from xgr import XgrError
 from xgr.engine.generate import allocate_shared_kv, prepare_inputs
+from xgr.kv import SharedKV
 from xgr.layers.relative_position import relative_position_bucket
 from xgr.models import CausalLM, T5Config, T5Seq2SeqLM, load_causal_lm, load_model, load_t5
 from xgr.models.t5 import EncDecDecodeMetadata
@@ -63,7 +64,7 @@ def encode(model: T5Seq2SeqLM, prompts: list[list[int]]):
     cu = [0]
     for p in prompts:
         cu.append(cu[-1] + len(p))
-    inputs = prepare_inputs(prompts, torch.device("cpu"))
+    inputs = prepare_inputs(prompts, model.shared.weight.device)
     shared = allocate_shared_kv(model, inputs)
     encoded = model.encode(inputs.tokens, cu, shared)
     return encoded, shared, cu
@@ -98,19 +99,48 @@ def test_forward_matches_hf(t5_dirs, variant):
             torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-5)
 
 
-def test_triton_cross_attention_equals_the_reference(t5_dirs):
+@pytest.mark.parametrize("variant", [("relu", True), ("gated-gelu", False)])
+@pytest.mark.parametrize("fused", [False, True])
+def test_padded_encoder_equals_the_packed_one(t5_dirs, variant, fused):
+    """The CUDA graphs' encoder (prompts padded to one length, masked; fused projections)
+    against the packed per-prompt reference, on the CPU: same encoder output and K/V."""
+    model = load_t5(t5_dirs[variant], "cpu", "float32")
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (7, 1, 30, 12)]
+    with torch.inference_mode():
+        encoded, shared, cu = encode(model, prompts)
+        if fused:
+            model.fuse_projections()
+            model.fuse_projections()  # idempotent
+        total, slots, length = cu[-1], 8, 32  # 4 absent requests stand in, one token each
+        tokens = torch.randint(0, 96, (slots * length,), generator=gen)
+        tokens[:total] = torch.tensor([t for p in prompts for t in p])
+        lengths = torch.ones(slots, dtype=torch.int64)
+        lengths[: len(prompts)] = torch.tensor([len(p) for p in prompts])
+        layers, heads, d_kv = model.shared_kv_layout
+        kv = SharedKV.allocate(layers, [slots * length], heads, d_kv, torch.float32, "cpu")
+        padded = model.encode_padded(tokens, lengths, length, kv)
+    assert padded.shape == (slots * length, model.config.d_model)
+    torch.testing.assert_close(padded[:total], encoded, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kv.k[:, :total], shared.k[:, :total], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kv.v[:, :total], shared.v[:, :total], atol=1e-5, rtol=1e-5)
+
+
+def test_triton_decoder_attention_equals_the_reference(t5_dirs):
     pytest.importorskip("triton")
-    model = load_t5(t5_dirs["gated-gelu", False], "cpu", "float32")
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: interpreted
+    model = load_t5(t5_dirs["gated-gelu", False], device, "float32")
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (3, 17)]
     beam_width, rows = 2, 4
-    ids = torch.randint(0, 96, (rows,), generator=gen)
+    ids = torch.randint(0, 96, (rows,), generator=gen).to(device)
     outputs = {}
     with torch.inference_mode():
         _, shared, cu = encode(model, prompts)
         for backend in ("torch", "triton"):
             beam = model.allocate_beam_kv(rows, 1)
-            meta = EncDecDecodeMetadata(shared, beam, cu, beam_width, torch.arange(rows), backend)
+            rows_index = torch.arange(rows, device=device)
+            meta = EncDecDecodeMetadata(shared, beam, cu, beam_width, rows_index, backend)
             outputs[backend] = model.decode(ids, meta)
     torch.testing.assert_close(outputs["triton"], outputs["torch"], atol=2e-5, rtol=1e-5)
 

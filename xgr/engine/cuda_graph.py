@@ -44,6 +44,10 @@ logger = logging.getLogger(__name__)
 MIN_POOL_TOKENS = 4096
 PREFILL_BUCKET = 256
 BUCKETS_PER_OCTAVE = 8
+# An encoder graph pads its prompts to one length P; its attention mask (S x heads x P x P,
+# model dtype) is the graph's largest buffer. Encodes whose mask would pass this run eagerly.
+MAX_ENCODER_MASK_BYTES = 1 << 30
+ENCODER_BUCKET = 64
 
 
 def prefill_bucket(num_tokens: int) -> int:
@@ -55,6 +59,14 @@ def prefill_bucket(num_tokens: int) -> int:
     top = 1 << max(num_tokens.bit_length() - 1, 0)
     step = max(PREFILL_BUCKET, top // BUCKETS_PER_OCTAVE)
     return (num_tokens // step + 1) * step
+
+
+def encoder_bucket(max_len: int) -> int:
+    """Padded prompt length (tokens) of an encoder graph: at least ``max_len``, a multiple
+    of max(ENCODER_BUCKET, 2**floor(log2 max_len) / BUCKETS_PER_OCTAVE)."""
+    top = 1 << max(max_len.bit_length() - 1, 0)
+    step = max(ENCODER_BUCKET, top // BUCKETS_PER_OCTAVE)
+    return -(-max_len // step) * step
 
 
 def _next_power_of_two(n: int) -> int:
@@ -174,11 +186,12 @@ class CudaGraphs:
         """
         if self.prefill_key(inputs.seqlens) is not None:
             return True
-        if not self._eager_kind(inputs.num_requests):  # then the tokens are the reason
+        if not self._eager_kind(inputs.num_requests):  # then the size is the reason
             logger.info(
-                "prefill of %d tokens is above the CUDA-graph limit %d: running it eagerly",
+                "prefill of %d tokens (longest prompt %d) is above the CUDA-graph limits: "
+                "running it eagerly",
                 inputs.num_tokens,
-                self.max_prefill_tokens,
+                inputs.max_seqlen,
             )
         return False
 
@@ -210,6 +223,9 @@ class CudaGraphs:
             weight = self.model.lm_head.weight
             shape = (layers, tokens, heads, head_dim)
             self._graphs.clear()  # they hold the old pool's address
+            # With its last graph gone the memory pool is released, and PyTorch refuses a
+            # new capture into a released pool (an internal assert): take a fresh one.
+            self._mempool = None
             self._pool_k = self._pool_v = None
             self._pool_k = torch.empty(shape, dtype=weight.dtype, device=weight.device)
             self._pool_v = torch.empty_like(self._pool_k)
@@ -227,6 +243,9 @@ class CudaGraphs:
 
         num = inputs.num_requests
         key = self.prefill_key(inputs.seqlens)
+        if key[0] == "encode":
+            self._replay_encode(key, inputs)
+            return None
         _, slots, padded, max_seqlen = key
         self.shared_kv(inputs, padded)
         entry = self._graphs.get(key)
@@ -253,6 +272,36 @@ class CudaGraphs:
         entry.graph.replay()
         return entry.outputs[0][:num]
 
+    def _replay_encode(self, key: tuple, inputs) -> None:
+        """Run an encoder-decoder's encoder from its graph (``T5Seq2SeqLM.encode_padded``):
+        the cross-attention K/V of the batch's prompts land packed at the pool's start."""
+        _, slots, padded, length = key
+        self.reserve(padded)
+        entry = self._graphs.get(key)
+        if entry is None:
+            device = inputs.tokens.device
+            tokens = torch.zeros(padded, dtype=torch.int64, device=device)
+            lengths = torch.ones(slots, dtype=torch.int64, device=device)
+            shared = SharedKV(self._pool_k, self._pool_v, inputs.cu_seqlens, [])
+
+            def run():
+                self.model.encode_padded(tokens, lengths, length, shared)
+                return ()
+
+            self._fill_encode((tokens, lengths), inputs)
+            entry = self._capture(key, run, (tokens, lengths))
+        else:
+            self._graphs.move_to_end(key)
+            self._fill_encode(entry.inputs, inputs)
+        entry.graph.replay()
+
+    @staticmethod
+    def _fill_encode(static, inputs) -> None:
+        tokens, lengths = static
+        tokens[: inputs.num_tokens].copy_(inputs.tokens)
+        lengths[: inputs.num_requests].copy_(inputs.prompt_lens)
+        lengths[inputs.num_requests :] = 1  # absent requests: one token each
+
     def needs_capture(self, prompt_lens: list[int], beam_width: int, top_k: int) -> bool:
         """Whether running this batch would capture a graph or grow the KV pool."""
         num = len(prompt_lens)
@@ -271,15 +320,28 @@ class CudaGraphs:
         total, num = sum(prompt_lens), len(prompt_lens)
         if num > self.max_requests or self._eager_kind(num):
             return None
+        if self.model.is_encoder_decoder:
+            return self._encode_key(num, max(prompt_lens))
         shape = self._shape(total, num, max(prompt_lens))
         return None if shape[1] > self.max_prefill_tokens else ("prefill", *shape)
 
+    def _encode_key(self, num: int, max_len: int) -> tuple | None:
+        """("encode", slots, slots * P, P): a power-of-two number of prompt slots, each
+        padded to P = ``encoder_bucket`` tokens; None (eager) past the token or mask limits."""
+        slots = min(_next_power_of_two(num), self.max_requests)
+        length = encoder_bucket(max_len)
+        weight = self.model.lm_head.weight
+        mask_bytes = slots * self.model.config.num_heads * length**2 * weight.element_size()
+        if slots * length > self.max_prefill_tokens or mask_bytes > MAX_ENCODER_MASK_BYTES:
+            return None
+        return "encode", slots, slots * length, length
+
     def _eager_kind(self, num_requests: int) -> bool:
-        """Prefills that never replay a graph, whatever their size: an encoder (per-prompt
-        attention with a position bias), and several float32 prompts (packed flash attention
-        needs fp16/bf16 to share one padded buffer)."""
+        """Prefills that never replay a graph, whatever their size: several float32 prompts
+        of a decoder-only model (packed flash attention needs fp16/bf16 to share one padded
+        buffer; an encoder pads each prompt to its own slot and needs no such kernel)."""
         float32 = self.model.lm_head.weight.dtype == torch.float32
-        return self.model.is_encoder_decoder or (num_requests > 1 and float32)
+        return not self.model.is_encoder_decoder and num_requests > 1 and float32
 
     def _shape(self, total: int, num: int, max_seqlen: int) -> tuple[int, int, int]:
         """(request slots, padded tokens, max sequence length) of a batch's prefill graph."""

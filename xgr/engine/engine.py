@@ -90,8 +90,7 @@ class Engine:
         cuda_streams: int = 1,
     ) -> None:
         encdec = model.is_encoder_decoder
-        if not encdec:
-            model.fuse_projections()  # one GEMM for q/k/v and one for gate/up, per layer
+        model.fuse_projections()  # one GEMM where projections read the same input
         self.model = model
         self.catalog = catalog
         self.tokenizer = tokenizer

@@ -25,11 +25,13 @@ def concat_linears(*linears: nn.Linear) -> nn.Linear:
         for lin in linears
     ):
         raise ValueError("only linears of one input size, dtype, device and bias can be fused")
+    # Built on the meta device: a real one would draw its random initialization from the
+    # default generator (wasted work, and it moves the generator's state under the caller).
     fused = nn.Linear(
         first.shape[1], sum(lin.weight.shape[0] for lin in linears),
-        bias=linears[0].bias is not None, device=first.device, dtype=first.dtype,
+        bias=linears[0].bias is not None, device="meta", dtype=first.dtype,
     )  # fmt: skip
-    fused.weight.copy_(torch.cat([lin.weight for lin in linears]))
-    if fused.bias is not None:
-        fused.bias.copy_(torch.cat([lin.bias for lin in linears]))
+    fused.weight = nn.Parameter(torch.cat([lin.weight for lin in linears]), requires_grad=False)
+    if linears[0].bias is not None:
+        fused.bias = nn.Parameter(torch.cat([lin.bias for lin in linears]), requires_grad=False)
     return fused

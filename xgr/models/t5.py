@@ -26,8 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from xgr.kernels.beam_self_attention import beam_self_attention_reference
 from xgr.kernels.decode_attention import shared_attention_reference
 from xgr.kv import BeamKV, SharedKV
+from xgr.layers.linear import concat_linears
 from xgr.layers.norm import RMSNorm
 from xgr.layers.relative_position import relative_position_bias
 from xgr.models.config import T5Config
@@ -45,8 +47,9 @@ class EncDecDecodeMetadata:
         cu_seqlens: R + 1 host ints, prompt offsets in ``shared``.
         beam_width: query rows per request (rows are request-major).
         kv_rows: (N,) int64 ``beam`` row each query row writes and reads through.
-        backend: cross-attention by "torch" (the reference) or "triton" (the shared-KV
-            decode kernel, reading ``shared.cu_seqlens`` on the device).
+        backend: attention by "torch" (the references) or "triton": cross-attention by the
+            shared-KV decode kernel (reading ``shared.cu_seqlens`` on the device), decoder
+            self-attention by ``triton_beam_self_attention``.
     """
 
     shared: SharedKV
@@ -73,10 +76,40 @@ class T5Attention(nn.Module):
             self.relative_attention_bias = nn.Embedding(
                 cfg.relative_attention_num_buckets, cfg.num_heads
             )
+        self.qkv: nn.Linear | None = None
+        self.kv: nn.Linear | None = None
+
+    def fuse_projections(self) -> None:
+        """Replace q, k and v by one ``qkv`` (their rows concatenated): one GEMM instead of
+        three for a self-attention. Done after loading (the HF names load); idempotent."""
+        if self.qkv is None:
+            self.qkv = concat_linears(self.q, self.k, self.v)
+            del self.q, self.k, self.v
+
+    def fuse_kv(self) -> None:
+        """Replace k and v by one ``kv`` GEMM (a cross-attention's, over the encoder output,
+        whose q reads the decoder instead); idempotent."""
+        if self.kv is None:
+            self.kv = concat_linears(self.k, self.v)
+            del self.k, self.v
+
+    def project_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, d_model) -> k, v, each (T, num_heads, d_kv) (views of one GEMM if fused)."""
+        if self.kv is None:
+            return self.heads(self.k, x), self.heads(self.v, x)
+        k, v = self.kv(x).view(x.shape[0], 2, self.num_heads, self.d_kv).unbind(1)
+        return k, v
 
     def heads(self, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """(T, d_model) -> (T, num_heads, d_kv) through one projection."""
         return proj(x).view(x.shape[0], self.num_heads, self.d_kv)
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(T, d_model) -> q, k, v, each (T, num_heads, d_kv) (views of one GEMM if fused)."""
+        if self.qkv is None:
+            return self.heads(self.q, x), self.heads(self.k, x), self.heads(self.v, x)
+        q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.d_kv).unbind(1)
+        return q, k, v
 
     def project_out(self, out: torch.Tensor) -> torch.Tensor:
         """(T, num_heads, d_kv) -> (T, d_model)."""
@@ -95,7 +128,7 @@ class T5Attention(nn.Module):
         Returns:
             (T, d_model) attention output (before the residual add).
         """
-        q, k, v = self.heads(self.q, x), self.heads(self.k, x), self.heads(self.v, x)
+        q, k, v = self.project_qkv(x)
         out = torch.empty_like(q)
         for r, bias in enumerate(biases):
             span = slice(cu_seqlens[r], cu_seqlens[r + 1])
@@ -103,6 +136,23 @@ class T5Attention(nn.Module):
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=bias[None], scale=1.0)
             out[span] = o[0].transpose(0, 1)
         return self.project_out(out)
+
+    def bidirectional_padded(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Encoder self-attention over S prompts padded to one length P.
+
+        Args:
+            x: (S * P, d_model) normed hidden states, prompt-major, model dtype.
+            mask: (S, num_heads, P, P) additive mask, model dtype: the position bias, and
+                -inf at each prompt's padding keys (``T5Seq2SeqLM.encode_padded``).
+
+        Returns:
+            (S * P, d_model); rows of padding queries hold values never read.
+        """
+        slots, _, length, _ = mask.shape
+        q, k, v = (t.view(slots, length, self.num_heads, self.d_kv).transpose(1, 2)
+                   for t in self.project_qkv(x))  # fmt: skip
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+        return self.project_out(out.transpose(1, 2).reshape(x.shape[0], self.num_heads, -1))
 
     def over_beam(
         self, x: torch.Tensor, layer: int, meta: EncDecDecodeMetadata, bias: torch.Tensor
@@ -121,17 +171,14 @@ class T5Attention(nn.Module):
         Returns:
             (N, d_model).
         """
-        beam, slot = meta.beam, meta.beam.length
-        q = self.heads(self.q, x)
-        beam.k[layer, meta.kv_rows, slot] = self.heads(self.k, x)
-        beam.v[layer, meta.kv_rows, slot] = self.heads(self.v, x)
-        rows = beam.rows[meta.kv_rows, : slot + 1].long()  # [N, S]
-        slots = torch.arange(slot + 1, device=rows.device)[None, :]
-        own_k, own_v = beam.k[layer][rows, slots], beam.v[layer][rows, slots]  # [N, S, H, D]
-        scores = torch.einsum("nhd,nshd->nhs", q.float(), own_k.float()) + bias.float()
-        probs = torch.softmax(scores, dim=-1)
-        out = torch.einsum("nhs,nshd->nhd", probs, own_v.float())
-        return self.project_out(out.to(x.dtype))
+        q, k, v = self.project_qkv(x)
+        beam = meta.beam
+        args = (q, k, v, beam.k[layer], beam.v[layer], beam.rows, meta.kv_rows, beam.length, bias)
+        if meta.backend == "triton":
+            from xgr.kernels.triton_beam_self_attention import beam_self_attention
+
+            return self.project_out(beam_self_attention(*args))
+        return self.project_out(beam_self_attention_reference(*args))
 
     def over_encoder(self, x: torch.Tensor, layer: int, meta: EncDecDecodeMetadata) -> torch.Tensor:
         """Cross-attention of every query row over its request's encoder K/V (no mask, no
@@ -160,8 +207,19 @@ class T5FeedForward(nn.Module):
             self.wi = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
         self.wo = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
         self.act = _ACTIVATIONS[cfg.dense_act_fn]
+        self.wi_fused: nn.Linear | None = None
+
+    def fuse_projections(self) -> None:
+        """Replace a gated feed-forward's wi_0 and wi_1 by one ``wi_fused`` GEMM; idempotent,
+        and nothing to do for an ungated one."""
+        if self.gated and self.wi_fused is None:
+            self.wi_fused = concat_linears(self.wi_0, self.wi_1)
+            del self.wi_0, self.wi_1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.wi_fused is not None:
+            gate, up = self.wi_fused(x).chunk(2, dim=-1)
+            return self.wo(self.act(gate) * up)
         if self.gated:
             return self.wo(self.act(self.wi_0(x)) * self.wi_1(x))
         return self.wo(self.act(self.wi(x)))
@@ -188,15 +246,26 @@ class CrossAttentionSublayer(nn.Module):
 
 
 class FeedForwardSublayer(nn.Module):
-    """x + feed_forward(layer_norm(x)) (HF's last sublayer of a block)."""
+    """HF's last sublayer of a block: the feed-forward and its pre-norm, applied as
+    x + feed_forward(layer_norm(x))."""
 
     def __init__(self, cfg: T5Config) -> None:
         super().__init__()
         self.DenseReluDense = T5FeedForward(cfg)
         self.layer_norm = RMSNorm(cfg.d_model, cfg.layer_norm_epsilon)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.DenseReluDense(self.layer_norm(x))
+
+def _residual_stack(x: torch.Tensor, sublayers: list, final_norm: RMSNorm) -> torch.Tensor:
+    """x + f(norm(x)) for each (norm, f) in order, then ``final_norm``; returns its output.
+
+    Each residual add runs inside the next norm (``RMSNorm(delta, residual)``: one pass on
+    CUDA), which rounds x + delta to the model dtype as the separate add did.
+    """
+    h = sublayers[0][0](x)
+    norms = [norm for norm, _ in sublayers[1:]] + [final_norm]
+    for (_, f), norm in zip(sublayers, norms, strict=True):
+        x, h = norm(f(h), x)
+    return h
 
 
 class T5Block(nn.Module):
@@ -252,6 +321,17 @@ class T5Seq2SeqLM(nn.Module):
         self.decoder = T5Stack(cfg, cfg.num_decoder_layers, decoder=True)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
+    def fuse_projections(self) -> None:
+        """One GEMM for each self-attention's q/k/v, each cross-attention's k/v and each
+        gated feed-forward's wi_0/wi_1 (``xgr.layers.linear.concat_linears``); done after
+        loading, as ``CausalLM.fuse_projections``. Idempotent."""
+        for stack in (self.encoder, self.decoder):
+            for block in stack.block:
+                block.layer[0].SelfAttention.fuse_projections()
+                block.layer[-1].DenseReluDense.fuse_projections()
+        for block in self.decoder.block:
+            block.layer[1].EncDecAttention.fuse_kv()
+
     def allocate_beam_kv(self, num_rows: int, capacity: int) -> BeamKV:
         """Self-attention K/V of ``num_rows`` beams, ``capacity`` decoder tokens each."""
         cfg, weight = self.config, self.lm_head.weight
@@ -275,17 +355,78 @@ class T5Seq2SeqLM(nn.Module):
         """
         x = self.shared(input_ids)
         biases = self._encoder_biases(cu_seqlens)
+        sublayers = []
         for block in self.encoder.block:
             attn, ff = block.layer
-            x = x + attn.SelfAttention.bidirectional(attn.layer_norm(x), cu_seqlens, biases)
-            x = ff(x)
-        encoded = self.encoder.final_layer_norm(x)
+            sublayers += [
+                (attn.layer_norm,
+                 lambda h, a=attn: a.SelfAttention.bidirectional(h, cu_seqlens, biases)),
+                (ff.layer_norm, ff.DenseReluDense),
+            ]  # fmt: skip
+        encoded = _residual_stack(x, sublayers, self.encoder.final_layer_norm)
+        self._write_cross_kv(encoded, cross_kv)
+        return encoded
+
+    def encode_padded(
+        self, tokens: torch.Tensor, lengths: torch.Tensor, padded_len: int, cross_kv: SharedKV
+    ) -> torch.Tensor:
+        """``encode`` for a CUDA graph: S prompts padded to one length P, with every shape
+        fixed by (S, P) and the prompts' lengths read from the device.
+
+        Each prompt attends over its own P slots with -inf at its padding keys, so its
+        tokens' results equal ``encode``'s; one batched attention replaces the per-prompt
+        loop (and its host offsets). The output returns to ``encode``'s packed order
+        before the cross-attention K/V are written.
+
+        Args:
+            tokens: (S * P,) int64; the prompts packed from index 0 (``lengths.sum()``
+                tokens); the rest must hold valid token ids and is ignored.
+            lengths: (S,) int64 prompt lengths on the device, each in [1, P].
+            padded_len: P (host int).
+            cross_kv: receives, per decoder layer, k/v at packed tokens [0, S * P); those
+                from ``lengths.sum()`` on are padding, never read by the decoder.
+
+        Returns:
+            (S * P, d_model) encoder output in packed order; rows from ``lengths.sum()``
+            on are padding.
+        """
+        slots, device = lengths.shape[0], tokens.device
+        pos = torch.arange(padded_len, device=device)
+        starts = torch.cumsum(lengths, 0) - lengths
+        # Padding slots repeat their prompt's last token: a valid id; masked as keys.
+        gather = starts[:, None] + torch.minimum(pos[None, :], lengths[:, None] - 1)
+        x = self.shared(tokens[gather.reshape(-1)])
+        bias = relative_position_bias(
+            self.encoder.position_bias_table, pos, pos, True,
+            self.config.relative_attention_max_distance,
+        )  # fmt: skip
+        keep = pos[None, :] < lengths[:, None]  # (S, P)
+        padding = torch.zeros(keep.shape, dtype=x.dtype, device=device).masked_fill_(
+            ~keep, float("-inf")
+        )
+        mask = bias[None] + padding[:, None, None, :]  # (S, H, P, P)
+        sublayers = []
+        for block in self.encoder.block:
+            attn, ff = block.layer
+            sublayers += [
+                (attn.layer_norm, lambda h, a=attn: a.SelfAttention.bidirectional_padded(h, mask)),
+                (ff.layer_norm, ff.DenseReluDense),
+            ]  # fmt: skip
+        encoded = _residual_stack(x, sublayers, self.encoder.final_layer_norm)
+        # Packed token t of prompt r sits at padded row r * P + (t - starts[r]).
+        flat = torch.arange(slots * padded_len, device=device)
+        slot = torch.searchsorted(starts, flat, right=True) - 1
+        offset = (flat - starts[slot]).clamp(max=padded_len - 1)
+        packed = encoded[slot * padded_len + offset]
+        self._write_cross_kv(packed, cross_kv)
+        return packed
+
+    def _write_cross_kv(self, encoded: torch.Tensor, cross_kv: SharedKV) -> None:
         tokens = encoded.shape[0]
         for layer, block in enumerate(self.decoder.block):
-            cross = block.layer[1].EncDecAttention
-            cross_kv.k[layer, :tokens] = cross.heads(cross.k, encoded)
-            cross_kv.v[layer, :tokens] = cross.heads(cross.v, encoded)
-        return encoded
+            k, v = block.layer[1].EncDecAttention.project_kv(encoded)
+            cross_kv.k[layer, :tokens] = k
+            cross_kv.v[layer, :tokens] = v
 
     def decode(self, input_ids: torch.Tensor, meta: EncDecDecodeMetadata) -> torch.Tensor:
         """One decoder step: each query row's newest token through every decoder block.
@@ -301,12 +442,17 @@ class T5Seq2SeqLM(nn.Module):
         """
         x = self.shared(input_ids)
         bias = self._decoder_bias(meta.beam.length, x.device)
+        sublayers = []
         for layer, block in enumerate(self.decoder.block):
             attn, cross, ff = block.layer
-            x = x + attn.SelfAttention.over_beam(attn.layer_norm(x), layer, meta, bias)
-            x = x + cross.EncDecAttention.over_encoder(cross.layer_norm(x), layer, meta)
-            x = ff(x)
-        x = self.decoder.final_layer_norm(x)
+            sublayers += [
+                (attn.layer_norm,
+                 lambda h, a=attn, i=layer: a.SelfAttention.over_beam(h, i, meta, bias)),
+                (cross.layer_norm,
+                 lambda h, c=cross, i=layer: c.EncDecAttention.over_encoder(h, i, meta)),
+                (ff.layer_norm, ff.DenseReluDense),
+            ]  # fmt: skip
+        x = _residual_stack(x, sublayers, self.decoder.final_layer_norm)
         if self.config.scale_decoder_outputs:
             # Original T5 ties the head to the embedding and rescales its input to match.
             x = x * self.config.d_model**-0.5

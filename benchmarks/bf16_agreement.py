@@ -1,0 +1,137 @@
+"""bf16 on the GPU against float32: the same top-10 items for how many requests? GPU.
+
+The issues ask that bf16 results agree with the float32 reference on the top-10 item set
+for at least 99% of a fixed set of requests. Random-weight models make that test moot:
+their scores are nearly flat, so top-10 lists are decided by differences below bf16's
+precision. This benchmark uses the trained demo models instead (``xgr eval --demo``'s
+MovieLens-100K models, decoder-only and T5) and every demo user's leave-one-out history as
+the request set. For each model it runs the same requests through:
+
+- the references: eager, torch attention (the CPU path's kernels, on the GPU), in float32
+  and in bfloat16;
+- the served path: bfloat16, CUDA graphs, Triton attention;
+
+and reports, against each reference, the fraction of requests whose top-10 item sets are
+equal and the mean overlap, and each path's Recall@10 / NDCG@10 on the held-out items
+(history items excluded, as in ``xgr eval``). Against float32 the figure mixes bf16's own
+rounding (weights, activations) with the kernels'; against the bf16 reference it isolates
+what the served path's kernels and graphs change.
+
+    python benchmarks/bf16_agreement.py --output bf16.json            # builds the demos if absent
+    python benchmarks/bf16_agreement.py --output bf16.json --device cpu --users 50   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from xgr import Engine  # noqa: E402
+from xgr.demo import DemoConfig, build_demo, load_movielens  # noqa: E402
+from xgr.demo.movielens import leave_one_out  # noqa: E402
+from xgr.evaluation.metrics import ndcg_at_k, recall_at_k  # noqa: E402
+
+K = 10
+
+
+def top_items(engine: Engine, histories, beam_width: int, batch_size: int) -> list[list[str]]:
+    """Each history's top-K item ids (history items excluded), best first."""
+    ranked = []
+    for first in range(0, len(histories), batch_size):
+        batch = histories[first : first + batch_size]
+        results = engine.recommend(
+            [engine.history_prompt(h) for h in batch],
+            beam_width=beam_width,
+            top_k=beam_width,
+            num_results=beam_width,
+            exclude_item_ids=[set(h) for h in batch],
+        )
+        ranked.extend([r.item_id for r in res.items][:K] for res in results)
+    return ranked
+
+
+def reference_engine(folder: Path, device: str, dtype: str) -> Engine:
+    """The reference path: eager, torch attention (the CPU path's kernels)."""
+    engine = Engine.from_pretrained(folder, device=device, dtype=dtype, cuda_graphs=False)
+    engine.decode_spec.attention_backend = "torch"
+    return engine
+
+
+def agreement(got: list[list[str]], want: list[list[str]]) -> dict:
+    same = [set(a) == set(b) for a, b in zip(got, want, strict=True)]
+    overlap = [len(set(a) & set(b)) / K for a, b in zip(got, want, strict=True)]
+    return {"same_top10_set": sum(same) / len(same), "mean_overlap": sum(overlap) / len(overlap)}
+
+
+def compare(folder: Path, histories, targets, beam_width, batch_size, device) -> dict:
+    """The served bf16 path of one model folder against the float32 and bf16 references."""
+    runs = {
+        "float32 reference": reference_engine(folder, device, "float32"),
+        "bfloat16 reference": reference_engine(folder, device, "bfloat16"),
+        "bfloat16 served": Engine.from_pretrained(folder, device=device, dtype="bfloat16"),
+    }
+    ranked = {name: top_items(e, histories, beam_width, batch_size) for name, e in runs.items()}
+    served = ranked["bfloat16 served"]
+    return {
+        "requests": len(served),
+        "served_vs_float32": agreement(served, ranked["float32 reference"]),
+        "served_vs_bfloat16_reference": agreement(served, ranked["bfloat16 reference"]),
+        "quality": {
+            name: {
+                f"recall@{K}": recall_at_k(lists, targets, K),
+                f"ndcg@{K}": ndcg_at_k(lists, targets, K),
+            }
+            for name, lists in ranked.items()
+        },
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", type=Path, required=True)
+    parser.add_argument("--cache-dir", type=Path, default=Path("~/.cache/xgr/demo"))
+    parser.add_argument("--arch", nargs="*", default=["qwen2", "t5"])
+    parser.add_argument("--beam-width", type=int, default=64, help="as xgr eval's default")
+    parser.add_argument("--users", type=int, help="only the first users (default: all)")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    cache = args.cache_dir.expanduser()
+    split = leave_one_out(load_movielens(cache))
+    count = len(split.users) if args.users is None else args.users
+    histories, targets = split.histories[:count], split.targets[:count]
+    report = {
+        "benchmark": "top-10 agreement, bf16 served path vs float32 reference (demo models)",
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "beam_width": args.beam_width,
+        "results": {},
+    }
+    print(f"{'model':<8}{'requests':>9}{'same set vs f32':>17}{'vs bf16 ref':>13}"
+          f"{'R@10 f32':>10}{'R@10 served':>13}", flush=True)  # fmt: skip
+    for arch in args.arch:
+        folder = build_demo(cache, DemoConfig.for_arch(arch))
+        row = compare(folder, histories, targets, args.beam_width, args.batch_size, args.device)
+        report["results"][arch] = row
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(report, indent=1) + "\n")
+        quality = row["quality"]
+        print(
+            f"{arch:<8}{row['requests']:>9}"
+            f"{row['served_vs_float32']['same_top10_set']:>17.3f}"
+            f"{row['served_vs_bfloat16_reference']['same_top10_set']:>13.3f}"
+            f"{quality['float32 reference'][f'recall@{K}']:>10.4f}"
+            f"{quality['bfloat16 served'][f'recall@{K}']:>13.4f}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

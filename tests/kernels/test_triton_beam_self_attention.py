@@ -1,0 +1,74 @@
+"""The Triton beam self-attention (T5 decoder) against its torch reference.
+
+On the CPU it runs under Triton's interpreter; outputs and the written cache slot are
+poisoned (NaN) first, so an element the kernel fails to write shows up.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+
+from xgr.kernels.beam_self_attention import beam_self_attention_reference  # noqa: E402
+from xgr.kernels.triton_beam_self_attention import beam_self_attention  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def make_case(rows, heads, head_dim, capacity, slot, query_rows, dtype, gen):
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype=dtype, device=DEVICE)
+
+    qkv = randn(query_rows, 3, heads, head_dim)  # strided views, as from a fused GEMM
+    q, k_new, v_new = qkv.unbind(1)
+    beam_k, beam_v = randn(rows, capacity, heads, head_dim), randn(rows, capacity, heads, head_dim)
+    beam_k[:, slot] = beam_v[:, slot] = float("nan")  # the slot the step must write
+    ancestry = torch.randint(0, rows, (rows, capacity), generator=gen, dtype=torch.int32)
+    ancestry[:, slot:] = torch.arange(rows, dtype=torch.int32)[:, None]  # unwritten: identity
+    kv_rows = torch.randperm(rows, generator=gen)[:query_rows]
+    bias = randn(heads, slot + 1)
+    return q, k_new, v_new, beam_k, beam_v, ancestry.to(DEVICE), kv_rows.to(DEVICE), slot, bias
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("rows", "heads", "head_dim", "slot", "query_rows"),
+    [(8, 4, 16, 0, 8), (12, 6, 64, 2, 12), (10, 3, 24, 3, 4), (64, 16, 64, 1, 64)],
+)
+def test_kernel_equals_the_reference(dtype, rows, heads, head_dim, slot, query_rows):
+    gen = torch.Generator().manual_seed(rows * 31 + slot)
+    case = make_case(rows, heads, head_dim, slot + 2, slot, query_rows, dtype, gen)
+    q, k_new, v_new, beam_k, beam_v, ancestry, kv_rows, slot, bias = case
+    ref_k, ref_v = beam_k.clone(), beam_v.clone()
+    want = beam_self_attention_reference(
+        q, k_new, v_new, ref_k, ref_v, ancestry, kv_rows, slot, bias
+    )
+    got = beam_self_attention(q, k_new, v_new, beam_k, beam_v, ancestry, kv_rows, slot, bias)
+    assert not got.isnan().any()
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    # The same slots written (and others untouched): NaN-poisoned rows equal only if written.
+    torch.testing.assert_close(beam_k, ref_k, equal_nan=True, atol=0, rtol=0)
+    torch.testing.assert_close(beam_v, ref_v, equal_nan=True, atol=0, rtol=0)
+    assert not beam_k[kv_rows, slot].isnan().any()
+
+
+def test_bad_shapes_are_refused():
+    gen = torch.Generator().manual_seed(0)
+    q, k_new, v_new, beam_k, beam_v, ancestry, kv_rows, slot, bias = make_case(
+        6, 2, 8, 3, 1, 6, torch.float32, gen
+    )
+    with pytest.raises(ValueError, match="must match"):
+        beam_self_attention(q, k_new[:3], v_new, beam_k, beam_v, ancestry, kv_rows, slot, bias)
+    with pytest.raises(ValueError, match="slot 3"):
+        beam_self_attention(q, k_new, v_new, beam_k, beam_v, ancestry, kv_rows, 3, bias)
+    with pytest.raises(ValueError, match="bias"):
+        beam_self_attention(q, k_new, v_new, beam_k, beam_v, ancestry, kv_rows, slot, bias[:, :1])
