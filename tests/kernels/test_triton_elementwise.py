@@ -83,6 +83,18 @@ def test_silu_mul_matches_reference(rows, inter, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("rows", "inter"), [(3, 100), (9, 4096), (0, 64)], ids=str)
+def test_gelu_tanh_mul_matches_reference(rows, inter, dtype):
+    # Strided halves of one buffer, as T5's fused wi GEMM gives them.
+    fused = randn(rows, 2 * inter, dtype=dtype, scale=4)
+    gate, up = fused.chunk(2, dim=-1)
+    want = F.gelu(gate, approximate="tanh") * up
+    assert_close(kernels.gelu_tanh_mul(gate, up), want, dtype)
+    with pytest.raises(ValueError, match="must match"):
+        kernels.gelu_tanh_mul(gate, up[:, :-1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("heads", "head_dim"), [(2, 64), (16, 128), (3, 16)], ids=str)
 def test_rope_matches_reference(heads, head_dim, dtype):
     tokens = 11

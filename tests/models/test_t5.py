@@ -17,7 +17,11 @@ from tests.conftest import write_random_t5
 from xgr import XgrError
 from xgr.engine.generate import allocate_shared_kv, prepare_inputs
 from xgr.kv import SharedKV
-from xgr.layers.relative_position import relative_position_bucket
+from xgr.layers.relative_position import (
+    relative_position_bias,
+    relative_position_bucket,
+    square_position_bias,
+)
 from xgr.models import CausalLM, T5Config, T5Seq2SeqLM, load_causal_lm, load_model, load_t5
 from xgr.models.t5 import EncDecDecodeMetadata
 
@@ -68,6 +72,17 @@ def encode(model: T5Seq2SeqLM, prompts: list[list[int]]):
     shared = allocate_shared_kv(model, inputs)
     encoded = model.encode(inputs.tokens, cu, shared)
     return encoded, shared, cu
+
+
+@pytest.mark.parametrize("length", [1, 2, 7, 40])
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_square_position_bias_equals_the_general_one(length, bidirectional):
+    table = torch.randn(16, 3, generator=torch.Generator().manual_seed(length))
+    pos = torch.arange(length)
+    want = relative_position_bias(table, pos, pos, bidirectional, 24)
+    got = square_position_bias(table, length, bidirectional, 24)
+    assert got.is_contiguous() and got.shape == (3, length, length)
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -99,19 +99,41 @@ def rms_norm(
 
 
 @triton.jit
-def _silu_mul_kernel(G, U, OUT, stride_g, stride_u, stride_o, inter, BLOCK: tl.constexpr):
+def _gated_mul_kernel(
+    G, U, OUT, stride_g, stride_u, stride_o, inter, GELU: tl.constexpr, BLOCK: tl.constexpr
+):  # fmt: skip
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < inter
     g = tl.load(G + row * stride_g + offs, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(U + row * stride_u + offs, mask=ok, other=0.0).to(tl.float32)
     dtype = OUT.dtype.element_ty
-    act = (g / (1.0 + tl.exp(-g))).to(dtype)  # F.silu rounds here
+    if GELU:  # tanh approximation (HF's gelu_new): 0.5 g (1 + tanh(sqrt(2 / pi) (g + c g^3)))
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        act = (g * (1.0 - 1.0 / (1.0 + tl.exp(2.0 * z)))).to(dtype)  # 0.5 (1 + tanh z)
+    else:
+        act = (g / (1.0 + tl.exp(-g))).to(dtype)  # F.silu rounds here
     tl.store(OUT + row * stride_o + offs, (act.to(tl.float32) * u).to(dtype), mask=ok)
 
 
+def _gated_mul(gate: torch.Tensor, up: torch.Tensor, gelu: bool) -> torch.Tensor:
+    if gate.shape != up.shape or gate.dtype != up.dtype or gate.dim() != 2:
+        raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must match (T, I)")
+    if gate.stride(-1) != 1 or up.stride(-1) != 1:
+        raise ValueError("gate and up need a contiguous last dimension")
+    rows, inter = gate.shape
+    out = torch.empty(rows, inter, dtype=gate.dtype, device=gate.device)
+    block = min(1024, triton.next_power_of_2(inter))
+    if rows:
+        _gated_mul_kernel[(rows, triton.cdiv(inter, block))](
+            gate, up, out, gate.stride(0), up.stride(0), out.stride(0), inter,
+            GELU=gelu, BLOCK=block,
+        )  # fmt: skip
+    return out
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up in one pass.
+    """silu(gate) * up in one pass (the SwiGLU feed-forward of Qwen / Llama).
 
     Args:
         gate, up: (T, I) of one dtype, last dimension contiguous.
@@ -122,18 +144,15 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: mismatched shapes or dtypes, or a non-contiguous last dimension.
     """
-    if gate.shape != up.shape or gate.dtype != up.dtype or gate.dim() != 2:
-        raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must match (T, I)")
-    if gate.stride(-1) != 1 or up.stride(-1) != 1:
-        raise ValueError("gate and up need a contiguous last dimension")
-    rows, inter = gate.shape
-    out = torch.empty(rows, inter, dtype=gate.dtype, device=gate.device)
-    block = min(1024, triton.next_power_of_2(inter))
-    if rows:
-        _silu_mul_kernel[(rows, triton.cdiv(inter, block))](
-            gate, up, out, gate.stride(0), up.stride(0), out.stride(0), inter, BLOCK=block
-        )
-    return out
+    return _gated_mul(gate, up, gelu=False)
+
+
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, approximate="tanh") * up in one pass (T5 v1.1's gated-GELU feed-forward).
+
+    Arguments, result and errors as ``silu_mul``.
+    """
+    return _gated_mul(gate, up, gelu=True)
 
 
 @triton.jit

@@ -73,3 +73,26 @@ def relative_position_bias(
     # Contiguous: a permuted view (last stride num_heads) as an attention mask sends PyTorch's
     # SDPA to its float32 math path; seen on the H200 at 7 ms for a 1k-token OneRec encoder.
     return table[buckets].permute(2, 0, 1).contiguous()
+
+
+def square_position_bias(
+    table: torch.Tensor, length: int, bidirectional: bool, max_distance: int
+) -> torch.Tensor:
+    """``relative_position_bias`` of positions 0..length-1 over themselves, built from the
+    2 * length - 1 distinct offsets instead of length^2 bucket lookups.
+
+    The bias depends on key - query alone (a Toeplitz matrix): the per-offset biases are
+    viewed with strides that walk them diagonally, and one copy (the flip) lays the square
+    out. On the H200 the length^2 bucket arithmetic and gather took about 1 ms of a
+    1k-token OneRec-size encoder.
+
+    Returns:
+        (num_heads, length, length) contiguous, in the table's dtype.
+    """
+    offsets = torch.arange(1 - length, length, device=table.device)
+    buckets = relative_position_bucket(offsets, bidirectional, table.shape[0], max_distance)
+    # (H, 2 * length - 1): column m holds offset m - (length - 1).
+    per_offset = table[buckets].T.contiguous()
+    # view[h, a, j] = per_offset[h, a + j]; row a = length - 1 - i holds query i (offset j - i).
+    view = per_offset.as_strided((table.shape[1], length, length), (2 * length - 1, 1, 1))
+    return view.flip(1)

@@ -31,10 +31,15 @@ from xgr.kernels.decode_attention import shared_attention_reference
 from xgr.kv import BeamKV, SharedKV
 from xgr.layers.linear import concat_linears
 from xgr.layers.norm import RMSNorm
-from xgr.layers.relative_position import relative_position_bias
+from xgr.layers.relative_position import relative_position_bias, square_position_bias
 from xgr.models.config import T5Config
 
-_ACTIVATIONS = {"relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS = {"relu": F.relu, "gelu_new": _gelu_tanh}
 
 
 @dataclass
@@ -219,6 +224,10 @@ class T5FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.wi_fused is not None:
             gate, up = self.wi_fused(x).chunk(2, dim=-1)
+            if x.is_cuda and self.act is _gelu_tanh:
+                from xgr.kernels.triton_elementwise import gelu_tanh_mul
+
+                return self.wo(gelu_tanh_mul(gate, up))  # one pass for act(gate) * up
             return self.wo(self.act(gate) * up)
         if self.gated:
             return self.wo(self.act(self.wi_0(x)) * self.wi_1(x))
@@ -396,10 +405,7 @@ class T5Seq2SeqLM(nn.Module):
         # Padding slots repeat their prompt's last token: a valid id; masked as keys.
         gather = starts[:, None] + torch.minimum(pos[None, :], lengths[:, None] - 1)
         x = self.shared(tokens[gather.reshape(-1)])
-        bias = relative_position_bias(
-            self.encoder.position_bias_table, pos, pos, True,
-            self.config.relative_attention_max_distance,
-        )  # fmt: skip
+        bias = self._encoder_bias(padded_len)
         keep = pos[None, :] < lengths[:, None]  # (S, P)
         padding = torch.zeros(keep.shape, dtype=x.dtype, device=device).masked_fill_(
             ~keep, float("-inf")
@@ -470,12 +476,15 @@ class T5Seq2SeqLM(nn.Module):
         length grew with the number of distinct lengths.
         """
         lengths = [end - start for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)]
-        pos = torch.arange(max(lengths), device=self.shared.weight.device)
-        full = relative_position_bias(
-            self.encoder.position_bias_table, pos, pos, True,
+        full = self._encoder_bias(max(lengths))
+        return [full[:, :n, :n] for n in lengths]
+
+    def _encoder_bias(self, length: int) -> torch.Tensor:
+        """(num_heads, length, length) bidirectional position bias of positions 0..length-1."""
+        return square_position_bias(
+            self.encoder.position_bias_table, length, True,
             self.config.relative_attention_max_distance,
         )  # fmt: skip
-        return [full[:, :n, :n] for n in lengths]
 
     def _decoder_bias(self, position: int, device: torch.device) -> torch.Tensor:
         """(num_heads, position + 1) causal bias of a query at ``position`` over 0..position."""
