@@ -405,8 +405,10 @@ class Engine:
         result = RecommendResult()
         taken = 0
         for sid, score in zip(sid_index.tolist(), scores.tolist(), strict=True):
-            if score == float("-inf"):
-                break
+            if score == float("-inf") or (
+                taken == num_results and len(result.semantic_ids) == num_results
+            ):
+                break  # the rest of the beams (hundreds) would cost host time for nothing
             codes = tuple(int(c) for c in self.catalog.semantic_ids[sid])
             if len(result.semantic_ids) < num_results:
                 result.semantic_ids.append((codes, score))
