@@ -52,10 +52,10 @@ class Engine:
     """Serves recommendations from one model and one catalog.
 
     Args:
-        model: the decoder-only LM (its projections are fused in place,
-            ``CausalLM.fuse_projections``) or the T5 encoder-decoder, already on its device
-            and dtype. On CUDA a T5 model's encoder runs eagerly and its decoder levels from
-            CUDA graphs, with the Triton shared-KV kernel for cross-attention.
+        model: the decoder-only LM or the T5 encoder-decoder, already on its device and
+            dtype; projections that read one input are fused in place
+            (``fuse_projections``). On CUDA a T5 model's encoder and its decoder levels
+            replay CUDA graphs, with Triton kernels for cross- and self-attention.
         catalog: the items served.
         sid_token_ids: (num_levels, codebook_size) int array, vocabulary id of each code.
         tokenizer: optional ``tokenizers.Tokenizer`` for string prompts.

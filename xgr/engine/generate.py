@@ -14,7 +14,8 @@ For an encoder-decoder (T5) the prefill is the encoder, which writes each decode
 cross-attention K/V as the shared KV; level 0's log-probabilities come from one decoder step
 over the decoder start token per request, whose self-attention K/V is slot 0 of the
 request's first beam row, inherited by all its beams through the ancestry index. On CUDA the
-encoder runs eagerly and the decode levels replay a CUDA graph, as for decoder-only models.
+encoder replays a CUDA graph of the prompts padded to one length per request slot
+(``T5Seq2SeqLM.encode_padded``) and the decode levels another, as for decoder-only models.
 
 Everything from the start of prefill to the end of the last level runs on the device with
 no host synchronization: the batch's host-built inputs go to the device in one copy before
