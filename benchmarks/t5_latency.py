@@ -11,7 +11,11 @@ and of the decode levels, and peak GPU memory. HF ``T5ForConditionalGeneration.g
 runs on the same weights for the configurations in ``HF_CONFIGS``, with the speed-up, the
 peak-memory ratio and the top-10 overlap of the two.
 
-    python benchmarks/t5_latency.py --output benchmarks/results/t5-latency.json
+With ``--profile`` it also prints (and stores in the JSON) the kernels of the last HF
+configuration's request, eager so that the profiler sees each kernel: device time per kernel
+family and the top kernels, for the encoder and for the decode levels.
+
+    python benchmarks/t5_latency.py --output benchmarks/results/t5-latency.json [--profile]
     python benchmarks/t5_latency.py --tiny --output /tmp/t5.json   # CPU smoke run
 """
 
@@ -140,7 +144,9 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES))
     parser.add_argument("--no-hf", action="store_true", help="skip HF transformers")
     parser.add_argument(
-        "--profile", action="store_true", help="also profile the kernels of HF_CONFIGS' last"
+        "--profile",
+        action="store_true",
+        help="also profile the kernels of the last HF configuration's request",
     )
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"

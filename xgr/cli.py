@@ -262,7 +262,9 @@ def recommend(
 @_engine_options
 @click.option("--k", default=10, show_default=True, help="Metric cut-off.")
 @click.option("--beam-width", default=64, show_default=True)
-@click.option("--max-users", default=None, type=int, help="Evaluate only the first users.")
+@click.option(
+    "--max-users", default=None, type=click.IntRange(min=1), help="Evaluate only the first users."
+)
 @click.option(
     "--output",
     type=click.Path(dir_okay=False, path_type=Path),
@@ -363,7 +365,7 @@ def serve(source, host, port, warm_up_tokens, **limits) -> None:
 
 @main.group()
 def bench() -> None:
-    """Benchmarks of a running service."""
+    """Benchmarks of a service: over HTTP (--url) or the engine in-process."""
 
 
 @bench.command("serve")

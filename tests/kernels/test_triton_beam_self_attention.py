@@ -61,6 +61,21 @@ def test_kernel_equals_the_reference(dtype, rows, heads, head_dim, slot, query_r
     assert not beam_k[kv_rows, slot].isnan().any()
 
 
+def test_strided_kv_rows_read_the_right_rows():
+    gen = torch.Generator().manual_seed(3)
+    q, k_new, v_new, beam_k, beam_v, ancestry, _, slot, bias = make_case(
+        8, 2, 8, 3, 1, 4, torch.float32, gen
+    )
+    kv_rows = torch.arange(8, device=DEVICE)[::2]  # stride 2
+    ref_k, ref_v = beam_k.clone(), beam_v.clone()
+    want = beam_self_attention_reference(
+        q, k_new, v_new, ref_k, ref_v, ancestry, kv_rows, slot, bias
+    )
+    got = beam_self_attention(q, k_new, v_new, beam_k, beam_v, ancestry, kv_rows, slot, bias)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(beam_k, ref_k, equal_nan=True, atol=0, rtol=0)
+
+
 def test_bad_shapes_are_refused():
     gen = torch.Generator().manual_seed(0)
     q, k_new, v_new, beam_k, beam_v, ancestry, kv_rows, slot, bias = make_case(

@@ -31,7 +31,7 @@ T5_DEFAULTS: dict[str, object] = {
 class DemoConfig:
     """Everything that decides the demo model; a changed field means a new cached model.
 
-    The defaults train in about 3 minutes on 2 CPU cores (565 steps) and, leave-one-out on
+    The defaults train in about 2.5 minutes on 2 idle CPU cores (565 steps) and, leave-one-out on
     all 943 users with beam width 64, reach Recall@10 0.157 / NDCG@10 0.083 against 0.086 /
     0.045 for most-popular (see ``evaluate_demo``).
 

@@ -97,6 +97,7 @@ def beam_self_attention(
     tensors = (q, k_new, v_new, beam_k, beam_v, beam_rows, bias)
     if any(t.stride(-1) != 1 and t.shape[-1] > 1 for t in tensors):
         raise ValueError("every tensor's last dimension must be contiguous")
+    kv_rows = kv_rows.contiguous()  # the kernel reads it with unit stride
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _beam_self_attention_kernel[(rows,)](
         q, k_new, v_new, beam_k, beam_v, beam_rows, kv_rows, bias, out,

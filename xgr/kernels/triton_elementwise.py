@@ -110,7 +110,9 @@ def _gated_mul_kernel(
     dtype = OUT.dtype.element_ty
     if GELU:  # tanh approximation (HF's gelu_new): 0.5 g (1 + tanh(sqrt(2 / pi) (g + c g^3)))
         z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        act = (g * (1.0 - 1.0 / (1.0 + tl.exp(2.0 * z)))).to(dtype)  # 0.5 (1 + tanh z)
+        # 0.5 (1 + tanh z) = 1 / (1 + exp(-2 z)); this form keeps the negative tail (no
+        # cancellation of 1 - 1 / (1 + exp(2 z)) to 0).
+        act = (g / (1.0 + tl.exp(-2.0 * z))).to(dtype)
     else:
         act = (g / (1.0 + tl.exp(-g))).to(dtype)  # F.silu rounds here
     tl.store(OUT + row * stride_o + offs, (act.to(tl.float32) * u).to(dtype), mask=ok)
