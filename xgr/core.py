@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class XgrError(ValueError):
@@ -46,6 +47,17 @@ class Recommendation:
     title: str | None = None
 
 
+def positive_int(name: str, value: Any) -> int:
+    """``value`` as a plain int, if it is an integer >= 1 (Python or numpy, not a bool).
+
+    Raises:
+        XgrError: anything else; the message names ``name`` and the value.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise XgrError(f"{name} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
 # Widest beam accepted (the beams' KV and score buffers grow linearly with it).
 MAX_BEAM_WIDTH = 4096
 
@@ -71,10 +83,8 @@ class SearchParams:
 
     def __post_init__(self) -> None:
         for name in ("beam_width", "top_k", "num_results"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise XgrError(f"{name} must be an integer >= 1, got {value!r}")
-            object.__setattr__(self, name, int(value))  # numpy ints become plain ints
+            # numpy ints become plain ints
+            object.__setattr__(self, name, positive_int(name, getattr(self, name)))
         if self.beam_width > MAX_BEAM_WIDTH:
             raise XgrError(f"beam_width must be at most {MAX_BEAM_WIDTH}, got {self.beam_width}")
         if self.num_results > self.beam_width:

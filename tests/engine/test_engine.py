@@ -366,15 +366,15 @@ def test_warm_up_checks_arguments_and_captures_nothing_on_the_cpu(model_dirs):
     engine = make_engine(model_dirs, random_catalog(200, 3, 16, seed=21))
     assert engine.warm_up(30, 8, 8, 4) == 0
     for args, message in [
-        ((0, 8, 8, 4), "prompt_tokens >= 1"),
-        ((30, 8, 8, 0), "max_batch_size >= 1"),
+        ((0, 8, 8, 4), "prompt_tokens must be an integer >= 1"),
+        ((30, 8, 8, 0), "max_batch_size must be an integer >= 1"),
         ((30, 8, 8, 4, 1.0), "spread"),
         ((30, 8, 8, 4, float("nan")), "spread"),
-        ((float("inf"), 8, 8, 4), "integers"),
-        (("10", 8, 8, 4), "integers"),
-        ((10.7, 8, 8, 4), "integers"),
-        ((30, 8, 8, 2.5), "integers"),
-        ((30, 8, 8, True), "integers"),
+        ((float("inf"), 8, 8, 4), "prompt_tokens must be an integer"),
+        (("10", 8, 8, 4), "prompt_tokens must be an integer"),
+        ((10.7, 8, 8, 4), "prompt_tokens must be an integer"),
+        ((30, 8, 8, 2.5), "max_batch_size must be an integer"),
+        ((30, 8, 8, True), "max_batch_size must be an integer"),
         ((30, 0, 8, 4), "beam_width"),
     ]:
         with pytest.raises(XgrError, match=message):

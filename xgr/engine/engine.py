@@ -21,6 +21,7 @@ from xgr.core import (
     RecommendResult,
     SearchParams,
     XgrError,
+    positive_int,
 )
 from xgr.engine.cuda_graph import CaptureGate, CudaGraphs
 from xgr.engine.decode import DecodeSpec
@@ -108,8 +109,7 @@ class Engine:
             model, self.trie, self.sid_token_ids, full_vocab, self.attention_backend
         )
         cuda = self.device.type == "cuda"
-        if isinstance(cuda_streams, bool) or not isinstance(cuda_streams, int) or cuda_streams < 1:
-            raise XgrError(f"cuda_streams must be an integer >= 1, got {cuda_streams!r}")
+        cuda_streams = positive_int("cuda_streams", cuda_streams)
         lanes = cuda_streams if cuda else 1
         self.graphs = CudaGraphs(model) if cuda_graphs and cuda else None
         # Lanes run batches concurrently. One lane runs on the current stream; several each
@@ -364,16 +364,11 @@ class Engine:
             XgrError: bad arguments, or prompts longer than ``max_prompt_tokens``.
         """
         SearchParams(beam_width, top_k, 1)
-        counts_ok = all(
-            isinstance(v, int | np.integer) and not isinstance(v, bool) and v >= 1
-            for v in (prompt_tokens, max_batch_size)
-        )
+        prompt_tokens = positive_int("prompt_tokens", prompt_tokens)
+        max_batch_size = positive_int("max_batch_size", max_batch_size)
         spread_ok = isinstance(spread, int | float) and not isinstance(spread, bool)
-        if not counts_ok or not (spread_ok and 0 <= spread < 1):
-            raise XgrError(
-                f"need integers prompt_tokens >= 1 and max_batch_size >= 1, and 0 <= spread "
-                f"< 1, got {prompt_tokens!r}, {max_batch_size!r}, {spread!r}"
-            )
+        if not (spread_ok and 0 <= spread < 1):
+            raise XgrError(f"spread must be a number in [0, 1), got {spread!r}")
         if prompt_tokens > self.max_prompt_tokens:
             raise PromptTooLongError(
                 f"warm-up prompts of {prompt_tokens} tokens exceed {self.max_prompt_tokens}"

@@ -31,7 +31,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from xgr.core import ModelOutputError, PromptTooLongError, RecommendResult, XgrError
+from xgr.core import (
+    ModelOutputError,
+    PromptTooLongError,
+    RecommendResult,
+    XgrError,
+    positive_int,
+)
 from xgr.scheduler.metrics import RequestTimes, ServingMetrics
 
 # Reported for every answered request: all semantic IDs have a fixed number of levels.
@@ -170,8 +176,7 @@ class RequestBatcher:
             ("max_queue", max_queue),
             ("max_inflight", max_inflight),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise XgrError(f"{name} must be an integer >= 1, got {value!r}")
+            positive_int(name, value)
         check_max_batch_ms(max_batch_ms)
         self.engine = engine
         self.max_batch_size = max_batch_size

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from xgr.core import XgrError
+from xgr.core import XgrError, positive_int
 from xgr.scheduler.batcher import check_max_batch_ms
 
 
@@ -38,9 +38,9 @@ class ServerConfig:
     def __post_init__(self) -> None:
         names = ("max_beam_width", "default_beam_width", "max_batch_size", "max_body_bytes")
         for name in (*names, "max_batch_tokens", "max_queue", "streams"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise XgrError(f"ServerConfig.{name} must be an integer >= 1, got {value!r}")
+            object.__setattr__(
+                self, name, positive_int(f"ServerConfig.{name}", getattr(self, name))
+            )
         check_max_batch_ms(self.max_batch_ms)
         if self.default_beam_width > self.max_beam_width:
             raise XgrError("ServerConfig.default_beam_width exceeds max_beam_width")
