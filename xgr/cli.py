@@ -268,7 +268,8 @@ def recommend(
 @click.option(
     "--output",
     type=click.Path(dir_okay=False, path_type=Path),
-    help="Also write the figures as JSON here.",
+    help="Also write the figures as JSON here: one report, or with several --arch one per "
+    "architecture, keyed by its name.",
 )
 def evaluate(source, k, beam_width, max_users, output) -> None:
     """Leave-one-out Recall@K / NDCG@K of the demo model next to a most-popular baseline.
