@@ -3,7 +3,8 @@ streams) against the same engine one request at a time, on random-weight models 
 
 For each configuration (model shape, prompt length drawn within +-20% of L, beam width =
 top_k) and each scheduler setting, open-loop Poisson load runs at rising rates (x1.5 per step)
-until P99 exceeds 200 ms or more than 1% of requests fail; the highest rate that kept the
+until P99 exceeds 200 ms or more than 1% of requests fail, then two geometric bisections
+between the last rate that held and the first that broke; the highest rate that kept the
 budget is the setting's throughput. One request at a time starts from half the rate its
 single-request latency allows; the batching settings start from the rate it reached, and
 step down when that already breaks the budget. The load
@@ -71,6 +72,7 @@ SPREAD = 0.2  # prompt lengths drawn within +-20% of L
 RATE_STEP = 1.5
 MAX_DOWN = 3
 MAX_STEPS = 12
+REFINE_STEPS = 2
 
 
 def build_model(shape: str, tiny: bool, device: str):
@@ -86,13 +88,17 @@ def build_model(shape: str, tiny: bool, device: str):
 
 def sweep(engine, plan_for, start_rate: float, max_batch_size: int, max_batch_ms) -> dict:
     """Open-loop rates from ``start_rate``: up x1.5 while the budget holds, or, when the
-    first rate already breaks it, down /1.5 (at most MAX_DOWN times) until one holds.
+    first rate already breaks it, down /1.5 (at most MAX_DOWN times) until one holds; then
+    REFINE_STEPS geometric bisections between the highest rate that held and the lowest
+    above it that broke (x1.5 steps alone leave the limit anywhere in a 50% interval).
 
     Returns:
         the points run and the highest rate that kept the budget (None: none did).
     """
-    points, rate, best = [], start_rate, None
-    for _ in range(MAX_STEPS):
+    points, best, best_rate, broke_rate = [], None, None, None
+
+    def run(rate: float) -> bool:
+        nonlocal best, best_rate, broke_rate
         (point,) = asyncio.run(
             bench_in_process(engine, plan_for(rate), max_batch_size, max_batch_ms, progress=False)
         )
@@ -104,8 +110,15 @@ def sweep(engine, plan_for, start_rate: float, max_batch_size: int, max_batch_ms
             flush=True,
         )
         kept = within_budget(point)
-        if kept and (best is None or point.load > best.load):
-            best = point
+        if kept and (best_rate is None or rate > best_rate):
+            best, best_rate = point, rate
+        if not kept and (broke_rate is None or rate < broke_rate):
+            broke_rate = rate
+        return kept
+
+    rate = start_rate
+    for _ in range(MAX_STEPS):
+        kept = run(rate)
         going_down = rate < start_rate
         if best is None and rate > start_rate / RATE_STEP**MAX_DOWN:
             rate /= RATE_STEP  # nothing kept the budget yet: look lower
@@ -113,6 +126,10 @@ def sweep(engine, plan_for, start_rate: float, max_batch_size: int, max_batch_ms
             rate *= RATE_STEP
         else:
             break  # the budget broke going up, or a lower rate kept it going down
+    for _ in range(REFINE_STEPS):
+        if best_rate is None or broke_rate is None or broke_rate <= best_rate:
+            break
+        run((best_rate * broke_rate) ** 0.5)
     return {
         "points": [dataclasses.asdict(p) for p in points],
         "max_rate_within_budget": best.load if best else None,
