@@ -7,7 +7,10 @@
 #   bash benchmarks/gpu_session.sh attention   # decode attention table
 #   bash benchmarks/gpu_session.sh e2e         # whole-request latency table + HF
 #   bash benchmarks/gpu_session.sh profile     # kernel time of one request (L=1000, 5000)
-#   bash benchmarks/gpu_session.sh t5          # T5 shapes: one request, xgr vs HF
+#   bash benchmarks/gpu_session.sh t5          # T5 shapes: one request, xgr vs HF (+ profile)
+#   bash benchmarks/gpu_session.sh bf16        # top-10 agreement, bf16 vs float32, demo models
+#                                               (carry the demo cache: cp -r ~/.cache/xgr/demo
+#                                               .carry/demo, with /.carry/ in .git/info/exclude)
 #   bash benchmarks/gpu_session.sh serving 0   # req/s within P99 200 ms, batching vs not
 #                                               (one config of serving_throughput.py each)
 set -euo pipefail
@@ -15,7 +18,7 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/xgr-gpu}"
 mkdir -p "$OUT"
-case "${1:?phase: tests|attention|e2e|profile|t5|serving}" in
+case "${1:?phase: tests|attention|e2e|profile|t5|bf16|serving}" in
   tests)
     # fastapi/uvicorn are absent on the device machine: only the engine's tests run there.
     timeout 400 python3 -m pytest -q -rs tests/kernels tests/beam tests/engine/test_engine_cuda.py \
@@ -34,8 +37,12 @@ case "${1:?phase: tests|attention|e2e|profile|t5|serving}" in
     done
     ;;
   t5)
-    timeout 560 python3 benchmarks/t5_latency.py --output "$OUT/t5.json" 2>&1 \
-      | grep -v "shards\|Loading weights" | tail -20
+    timeout 560 python3 benchmarks/t5_latency.py --profile --output "$OUT/t5.json" 2>&1 \
+      | grep -v "shards\|Loading weights\|USDT" | tail -40
+    ;;
+  bf16)
+    timeout 300 python3 benchmarks/bf16_agreement.py --cache-dir .carry/demo \
+      --output "$OUT/bf16.json" 2>&1 | tail -5
     ;;
   serving)
     timeout 560 python3 benchmarks/serving_throughput.py --configs "${2:-0}" --duration 3 \
