@@ -248,8 +248,8 @@ class CudaGraphs:
             return None
         _, slots, padded, max_seqlen = key
         self.shared_kv(inputs, padded)
-        entry = self._graphs.get(key)
-        if entry is None:
+
+        def build():
             device = inputs.tokens.device
             tokens = torch.full((padded,), PREFILL_PAD_TOKEN, dtype=torch.int64, device=device)
             positions = torch.zeros_like(tokens)
@@ -264,12 +264,9 @@ class CudaGraphs:
                 hidden = self.model(tokens, positions, meta)
                 return (hidden[last],)
 
-            self._fill_prefill((tokens, positions, cu, last), inputs)
-            entry = self._capture(key, run, (tokens, positions, cu, last))
-        else:
-            self._graphs.move_to_end(key)
-            self._fill_prefill(entry.inputs, inputs)
-        entry.graph.replay()
+            return (tokens, positions, cu, last), run
+
+        entry = self._replay(key, build, lambda static: self._fill_prefill(static, inputs))
         return entry.outputs[0][:num]
 
     def _replay_encode(self, key: tuple, inputs) -> None:
@@ -277,8 +274,8 @@ class CudaGraphs:
         the cross-attention K/V of the batch's prompts land packed at the pool's start."""
         _, slots, padded, length = key
         self.reserve(padded)
-        entry = self._graphs.get(key)
-        if entry is None:
+
+        def build():
             device = inputs.tokens.device
             tokens = torch.zeros(padded, dtype=torch.int64, device=device)
             lengths = torch.ones(slots, dtype=torch.int64, device=device)
@@ -288,12 +285,9 @@ class CudaGraphs:
                 self.model.encode_padded(tokens, lengths, length, shared)
                 return ()
 
-            self._fill_encode((tokens, lengths), inputs)
-            entry = self._capture(key, run, (tokens, lengths))
-        else:
-            self._graphs.move_to_end(key)
-            self._fill_encode(entry.inputs, inputs)
-        entry.graph.replay()
+            return (tokens, lengths), run
+
+        self._replay(key, build, lambda static: self._fill_encode(static, inputs))
 
     @staticmethod
     def _fill_encode(static, inputs) -> None:
@@ -384,14 +378,14 @@ class CudaGraphs:
         from xgr.engine.decode import decode_levels, decode_levels_encdec
 
         key = ("decode", inputs.num_requests, beam_width, top_k)
-        entry = self._graphs.get(key)
         if spec.model.is_encoder_decoder:
-            static = (inputs.cu_seqlens,)
+            batch = (inputs.cu_seqlens,)
         else:
-            static = (last_hidden, inputs.prompt_lens, inputs.cu_seqlens)
-        if entry is None:
-            copies = tuple(t.clone() for t in static)
-            shared = SharedKV(self._pool_k, self._pool_v, copies[-1], [])
+            batch = (last_hidden, inputs.prompt_lens, inputs.cu_seqlens)
+
+        def build():
+            static = tuple(torch.empty_like(t) for t in batch)
+            shared = SharedKV(self._pool_k, self._pool_v, static[-1], [])
             # The kernels read prompt offsets from the device; the host offsets of the
             # capturing batch reach only the torch reference attention, never used here.
             host_cu = inputs.cu_seqlens_host
@@ -399,16 +393,35 @@ class CudaGraphs:
             def run():
                 if spec.model.is_encoder_decoder:
                     return decode_levels_encdec(spec, shared, host_cu, beam_width, top_k)
-                hidden, lens, _ = copies
+                hidden, lens, _ = static
                 return decode_levels(spec, hidden, lens, shared, host_cu, beam_width, top_k)
 
-            entry = self._capture(key, run, copies)
+            return static, run
+
+        def fill(static):
+            for dst, src in zip(static, batch, strict=True):
+                dst.copy_(src)
+
+        return self._replay(key, build, fill).outputs
+
+    def _replay(self, key: tuple, build, fill) -> _Graph:
+        """Replay ``key``'s graph, capturing it first when absent.
+
+        Args:
+            build: () -> (static input tensors, ``run``): the buffers a new graph reads and
+                the work it captures.
+            fill: copies this batch into the static inputs, before capture or replay.
+        """
+        entry = self._graphs.get(key)
+        if entry is None:
+            static, run = build()
+            fill(static)
+            entry = self._capture(key, run, static)
         else:
             self._graphs.move_to_end(key)
-            for dst, src in zip(entry.inputs, static, strict=True):
-                dst.copy_(src)
+            fill(entry.inputs)
         entry.graph.replay()
-        return entry.outputs
+        return entry
 
     def _capture(self, key, run, inputs) -> _Graph:
         # Warm up on a side stream (compiles kernels, creates library handles) before capture.
