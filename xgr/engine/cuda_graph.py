@@ -56,17 +56,20 @@ def prefill_bucket(num_tokens: int) -> int:
     Multiples of max(PREFILL_BUCKET, 2**floor(log2 n) / BUCKETS_PER_OCTAVE): padding is at
     most an eighth of a long prefill, and the buckets up to 64k tokens number about 50.
     """
-    top = 1 << max(num_tokens.bit_length() - 1, 0)
-    step = max(PREFILL_BUCKET, top // BUCKETS_PER_OCTAVE)
+    step = _bucket_step(num_tokens, PREFILL_BUCKET)
     return (num_tokens // step + 1) * step
 
 
 def encoder_bucket(max_len: int) -> int:
     """Padded prompt length (tokens) of an encoder graph: at least ``max_len``, a multiple
     of max(ENCODER_BUCKET, 2**floor(log2 max_len) / BUCKETS_PER_OCTAVE)."""
-    top = 1 << max(max_len.bit_length() - 1, 0)
-    step = max(ENCODER_BUCKET, top // BUCKETS_PER_OCTAVE)
+    step = _bucket_step(max_len, ENCODER_BUCKET)
     return -(-max_len // step) * step
+
+
+def _bucket_step(n: int, smallest: int) -> int:
+    """Bucket spacing near n: 2**floor(log2 n) / BUCKETS_PER_OCTAVE, at least ``smallest``."""
+    return max(smallest, (1 << max(n.bit_length() - 1, 0)) // BUCKETS_PER_OCTAVE)
 
 
 def _next_power_of_two(n: int) -> int:

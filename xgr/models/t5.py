@@ -20,6 +20,8 @@ On xgr's KV layout:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -89,17 +91,10 @@ class T5Seq2SeqLM(nn.Module):
         Returns:
             (T, d_model) encoder output (after the final layer norm), model dtype.
         """
-        x = self.shared(input_ids)
         biases = self._encoder_biases(cu_seqlens)
-        sublayers = []
-        for block in self.encoder.block:
-            attn, ff = block.layer
-            sublayers += [
-                (attn.layer_norm,
-                 lambda h, a=attn: a.SelfAttention.bidirectional(h, cu_seqlens, biases)),
-                (ff.layer_norm, ff.DenseReluDense),
-            ]  # fmt: skip
-        encoded = residual_stack(x, sublayers, self.encoder.final_layer_norm)
+        encoded = self._run_encoder(
+            self.shared(input_ids), lambda attn, h: attn.bidirectional(h, cu_seqlens, biases)
+        )
         self._write_cross_kv(encoded, cross_kv)
         return encoded
 
@@ -138,14 +133,7 @@ class T5Seq2SeqLM(nn.Module):
             ~keep, float("-inf")
         )
         mask = bias[None] + padding[:, None, None, :]  # (S, H, P, P)
-        sublayers = []
-        for block in self.encoder.block:
-            attn, ff = block.layer
-            sublayers += [
-                (attn.layer_norm, lambda h, a=attn: a.SelfAttention.bidirectional_padded(h, mask)),
-                (ff.layer_norm, ff.DenseReluDense),
-            ]  # fmt: skip
-        encoded = residual_stack(x, sublayers, self.encoder.final_layer_norm)
+        encoded = self._run_encoder(x, lambda attn, h: attn.bidirectional_padded(h, mask))
         # Packed token t of prompt r sits at padded row r * P + (t - starts[r]).
         flat = torch.arange(slots * padded_len, device=device)
         slot = torch.searchsorted(starts, flat, right=True) - 1
@@ -153,6 +141,18 @@ class T5Seq2SeqLM(nn.Module):
         packed = encoded[slot * padded_len + offset]
         self._write_cross_kv(packed, cross_kv)
         return packed
+
+    def _run_encoder(self, x: torch.Tensor, attend) -> torch.Tensor:
+        """The encoder blocks and final norm over embedded tokens x; each block's
+        self-attention is ``attend(T5Attention, normed x)``."""
+        sublayers = []
+        for block in self.encoder.block:
+            attn, ff = block.layer
+            sublayers += [
+                (attn.layer_norm, functools.partial(attend, attn.SelfAttention)),
+                (ff.layer_norm, ff.DenseReluDense),
+            ]
+        return residual_stack(x, sublayers, self.encoder.final_layer_norm)
 
     def _write_cross_kv(self, encoded: torch.Tensor, cross_kv: SharedKV) -> None:
         tokens = encoded.shape[0]
