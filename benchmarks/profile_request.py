@@ -16,6 +16,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +68,34 @@ def kernel_table(prof, cuda: bool) -> tuple[dict[str, float], list[tuple[str, fl
     return dict(families), top[:12]
 
 
+def profile_phases(phases: dict[str, Callable[[], object]], cuda: bool) -> tuple[dict, list[str]]:
+    """Run each phase once under the profiler, in order (a phase may use an earlier one's
+    result through its closure).
+
+    Returns:
+        per phase ``{"families_ms", "top_kernels", "kernel_ms"}``, and the lines printing
+        them (families largest first, then the top kernels).
+    """
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    activity = [ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]
+    report, lines = {}, []
+    for phase, run in phases.items():
+        sync()
+        with profile(activities=activity) as prof:
+            run()
+            sync()
+        families, top = kernel_table(prof, cuda)
+        report[phase] = {"families_ms": families, "top_kernels": top,
+                         "kernel_ms": sum(families.values())}  # fmt: skip
+        lines.append(f"\n{phase}: {sum(families.values()):.2f} ms of kernels")
+        for label, ms in sorted(families.items(), key=lambda kv: -kv[1]):
+            lines.append(f"  {label:<34}{ms:8.2f} ms")
+        lines.append("  top kernels:")
+        for name, ms, calls in top[:8]:
+            lines.append(f"    {ms:7.2f} ms {calls:5d}x  {name[:90]}")
+    return report, lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", type=Path, required=True)
@@ -104,32 +133,21 @@ def main() -> None:
         from xgr.engine.generate import allocate_shared_kv
 
         shared = allocate_shared_kv(model, inputs)
-        sync = torch.cuda.synchronize if cuda else (lambda: None)
-        activity = [ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]
-        sync()
-        with profile(activities=activity) as prof_prefill:
-            last = prefill(model, inputs, shared)
-            sync()
-        with profile(activities=activity) as prof_decode:
-            decode_levels(
-                spec, last, inputs.prompt_lens, shared, inputs.cu_seqlens_host, beam, beam
-            )
-            sync()
+        last = []  # the prefill's output, for the decode phase
+        phases = {
+            "prefill": lambda: last.append(prefill(model, inputs, shared)),
+            "decode levels": lambda: decode_levels(
+                spec, last[0], inputs.prompt_lens, shared, inputs.cu_seqlens_host, beam, beam
+            ),
+        }
+        profiled, phase_lines = profile_phases(phases, cuda)
+    report.update(profiled)
     lines = [
         f"{shape} L={args.prompt_len} B={beam} R={args.requests}: eager "
         f"{report['eager_ms']:.1f} ms, {'CUDA graphs' if cuda else 'default path'} "
-        f"{report['graph_ms']:.1f} ms"
+        f"{report['graph_ms']:.1f} ms",
+        *phase_lines,
     ]
-    for phase, prof in (("prefill", prof_prefill), ("decode levels", prof_decode)):
-        families, top = kernel_table(prof, cuda)
-        report[phase] = {"families_ms": families, "top_kernels": top,
-                         "kernel_ms": sum(families.values())}  # fmt: skip
-        lines.append(f"\n{phase}: {sum(families.values()):.2f} ms of kernels")
-        for label, ms in sorted(families.items(), key=lambda kv: -kv[1]):
-            lines.append(f"  {label:<34}{ms:8.2f} ms")
-        lines.append("  top kernels:")
-        for name, ms, calls in top[:8]:
-            lines.append(f"    {ms:7.2f} ms {calls:5d}x  {name[:90]}")
     args.output.write_text(json.dumps(report, indent=1) + "\n")
     print("\n".join(lines))
 

@@ -100,8 +100,7 @@ def run_hf(folder: Path, prompt, catalog, sid_map, beam_width, dtype, device) ->
 def profile_t5(folder: Path, catalog, sid_map, prompt, beam_width, dtype, device) -> dict:
     """Device time per kernel family and the top kernels of one request, eager (so the
     profiler sees each kernel), split into the encoder and the decode levels."""
-    from profile_request import kernel_table
-    from torch.profiler import ProfilerActivity, profile
+    from profile_request import profile_phases
 
     from xgr.engine.decode import decode_levels_encdec
     from xgr.engine.generate import allocate_shared_kv, prepare_inputs
@@ -110,10 +109,6 @@ def profile_t5(folder: Path, catalog, sid_map, prompt, beam_width, dtype, device
         folder, catalog, device=device, dtype=dtype, sid_token_ids=sid_map, cuda_graphs=False
     )
     engine.recommend([prompt], beam_width, beam_width)  # compiles the Triton kernels
-    cuda = device == "cuda"
-    activity = [ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    report = {}
     with torch.inference_mode():
         inputs = prepare_inputs([prompt], engine.device)
         shared = allocate_shared_kv(engine.model, inputs)
@@ -124,16 +119,8 @@ def profile_t5(folder: Path, catalog, sid_map, prompt, beam_width, dtype, device
                 engine.decode_spec, shared, cu, beam_width, beam_width
             ),
         }
-        for phase, run in phases.items():
-            sync()
-            with profile(activities=activity) as prof:
-                run()
-                sync()
-            families, top = kernel_table(prof, cuda)
-            report[phase] = {"families_ms": families, "top_kernels": top}
-            print(f"{phase}: {sum(families.values()):.2f} ms of kernels")
-            for name, ms, calls in top[:10]:
-                print(f"  {ms:7.2f} ms {calls:5d}x  {name[:90]}")
+        report, lines = profile_phases(phases, device == "cuda")
+    print("\n".join(lines))
     return report
 
 
