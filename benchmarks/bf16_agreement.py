@@ -38,26 +38,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from xgr import Engine  # noqa: E402
 from xgr.demo import DemoConfig, build_demo, load_movielens  # noqa: E402
+from xgr.demo.evaluate import rank_items  # noqa: E402
 from xgr.demo.movielens import leave_one_out  # noqa: E402
 from xgr.evaluation.metrics import ndcg_at_k, recall_at_k  # noqa: E402
 
 K = 10
-
-
-def top_items(engine: Engine, histories, beam_width: int, batch_size: int) -> list[list[str]]:
-    """Each history's top-K item ids (history items excluded), best first."""
-    ranked = []
-    for first in range(0, len(histories), batch_size):
-        batch = histories[first : first + batch_size]
-        results = engine.recommend(
-            [engine.history_prompt(h) for h in batch],
-            beam_width=beam_width,
-            top_k=beam_width,
-            num_results=beam_width,
-            exclude_item_ids=[set(h) for h in batch],
-        )
-        ranked.extend([r.item_id for r in res.items][:K] for res in results)
-    return ranked
 
 
 def reference_engine(folder: Path, device: str, dtype: str) -> Engine:
@@ -80,7 +65,10 @@ def compare(folder: Path, histories, targets, beam_width, batch_size, device) ->
         "bfloat16 reference": reference_engine(folder, device, "bfloat16"),
         "bfloat16 served": Engine.from_pretrained(folder, device=device, dtype="bfloat16"),
     }
-    ranked = {name: top_items(e, histories, beam_width, batch_size) for name, e in runs.items()}
+    ranked = {
+        name: rank_items(engine, histories, K, beam_width, batch_size)
+        for name, engine in runs.items()
+    }
     served = ranked["bfloat16 served"]
     return {
         "requests": len(served),

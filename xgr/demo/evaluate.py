@@ -81,21 +81,7 @@ def evaluate_demo(
     count = len(split.users) if max_users is None else min(max_users, len(split.users))
     histories, targets = split.histories[:count], split.targets[:count]
     started = time.perf_counter()
-    ranked: list[list[str]] = []
-    bar = tqdm(total=count, desc="evaluating", unit="user", disable=not progress)
-    for first in range(0, count, batch_size):
-        batch = histories[first : first + batch_size]
-        prompts = [engine.history_prompt(h) for h in batch]
-        results = engine.recommend(
-            prompts,
-            beam_width=beam_width,
-            top_k=beam_width,
-            num_results=beam_width,
-            exclude_item_ids=[set(h) for h in batch],
-        )
-        ranked.extend([r.item_id for r in res.items][:k] for res in results)
-        bar.update(len(batch))
-    bar.close()
+    ranked = rank_items(engine, histories, k, beam_width, batch_size, progress)
     seconds = time.perf_counter() - started
     popular = popularity_ranking(split.histories, catalog.item_ids)
     baseline = [top_k_excluding(popular, set(h), k) for h in histories]
@@ -108,6 +94,39 @@ def evaluate_demo(
         "popularity": _scores(baseline, targets, k),
         "short_lists": sum(len(r) < k for r in ranked),
     }
+
+
+def rank_items(
+    engine: Engine,
+    histories: Sequence[Sequence[str]],
+    k: int,
+    beam_width: int,
+    batch_size: int = 64,
+    progress: bool = False,
+) -> list[list[str]]:
+    """Each history's top-k item ids, best first, its own items excluded.
+
+    The prompt is ``engine.history_prompt`` of the history; ``beam_width`` semantic IDs are
+    requested (top_k = beam_width), so enough items survive the exclusion.
+
+    Returns:
+        one list of at most k item ids per history.
+    """
+    ranked: list[list[str]] = []
+    bar = tqdm(total=len(histories), desc="evaluating", unit="user", disable=not progress)
+    for first in range(0, len(histories), batch_size):
+        batch = histories[first : first + batch_size]
+        results = engine.recommend(
+            [engine.history_prompt(h) for h in batch],
+            beam_width=beam_width,
+            top_k=beam_width,
+            num_results=beam_width,
+            exclude_item_ids=[set(h) for h in batch],
+        )
+        ranked.extend([r.item_id for r in res.items][:k] for res in results)
+        bar.update(len(batch))
+    bar.close()
+    return ranked
 
 
 def _scores(ranked: list[list[str]], targets: list[str], k: int) -> dict[str, float]:
