@@ -23,10 +23,12 @@ def random_head(vocab=300, hidden=32, seed=0):
     return weight, hidden_states
 
 
-@pytest.mark.parametrize("chunk_elements", [1 << 26, 7 * 1024], ids=["one-chunk", "chunked"])
-def test_full_vocab_logsumexp_matches_torch(monkeypatch, chunk_elements):
-    monkeypatch.setattr(logits_module, "LSE_CHUNK_ELEMENTS", chunk_elements)
-    weight, h = random_head(vocab=5000)
+# 7 rows of float32 logits (plus their float32 copy on the CPU path): 1024-column chunks.
+@pytest.mark.parametrize("chunk_bytes", [384 << 20, 7 * 1024 * 8], ids=["one-chunk", "chunked"])
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_full_vocab_logsumexp_matches_torch(monkeypatch, chunk_bytes, device):
+    monkeypatch.setattr(logits_module, "LSE_CHUNK_BYTES", chunk_bytes)
+    weight, h = (t.to(device) for t in random_head(vocab=5000))
     expected = torch.logsumexp(h @ weight.T, dim=-1)
     torch.testing.assert_close(full_vocab_logsumexp(h, weight), expected, rtol=1e-6, atol=1e-5)
 

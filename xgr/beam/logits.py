@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-# Logit elements per vocabulary chunk of the log-sum-exp (rows x chunk): bounds its buffers
-# (float32 plus the model-dtype product) to about 384 MB.
-LSE_CHUNK_ELEMENTS = 1 << 26
+# Bytes of logit buffers per vocabulary chunk of the log-sum-exp (the model-dtype product,
+# plus its float32 copy on the torch path): about 384 MB whatever the number of rows.
+LSE_CHUNK_BYTES = 384 << 20
 
 
 def level_head_weights(lm_head_weight: torch.Tensor, sid_token_ids: torch.Tensor) -> torch.Tensor:
@@ -39,6 +39,10 @@ def level_head_weights(lm_head_weight: torch.Tensor, sid_token_ids: torch.Tensor
 def full_vocab_logsumexp(hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
     """log-sum-exp over the whole vocabulary of each row's logits, chunked over the vocabulary.
 
+    On CUDA each chunk's logits are reduced by one Triton pass
+    (``xgr.kernels.triton_logsumexp``), all chunks' partial results merged at the end; on
+    the CPU by ``torch.logsumexp`` (the reference).
+
     Args:
         hidden: (N, hidden_size) final hidden states, model dtype.
         lm_head_weight: (vocab_size, hidden_size), model dtype.
@@ -47,10 +51,27 @@ def full_vocab_logsumexp(hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> 
         (N,) float32. Logits are rounded to the model dtype before the float32 reduction, as
         HF computes ``lm_head(h).float()``.
     """
-    vocab = lm_head_weight.shape[0]
-    chunk = max(1024, LSE_CHUNK_ELEMENTS // max(hidden.shape[0], 1))
+    vocab, rows = lm_head_weight.shape[0], max(hidden.shape[0], 1)
+    fused = hidden.is_cuda
+    element_bytes = hidden.element_size() + (0 if fused else 4)
+    chunk = max(1024, LSE_CHUNK_BYTES // (element_bytes * rows))
+    starts = range(0, vocab, chunk)
+    if fused:
+        from xgr.kernels.triton_logsumexp import num_partials, row_logsumexp_partials
+
+        widths = [min(chunk, vocab - start) for start in starts]
+        counts = [num_partials(hidden.shape[0], w, hidden.device) for w in widths]
+        partials = torch.empty(
+            hidden.shape[0], sum(counts), dtype=torch.float32, device=hidden.device
+        )
+        col = 0
+        for start, count in zip(starts, counts, strict=True):
+            logits = hidden @ lm_head_weight[start : start + chunk].T
+            row_logsumexp_partials(logits, partials[:, col : col + count])
+            col += count
+        return torch.logsumexp(partials, dim=-1)
     total = None
-    for start in range(0, vocab, chunk):
+    for start in starts:
         part = torch.logsumexp((hidden @ lm_head_weight[start : start + chunk].T).float(), dim=-1)
         total = part if total is None else torch.logaddexp(total, part)
     return total
