@@ -114,3 +114,47 @@ def test_rope_matches_reference(heads, head_dim, dtype):
     assert_close(kernels.apply_rope(wide, cos, sin), apply_rope_reference(wide, cos, sin), dtype)
     with pytest.raises(ValueError, match="do not fit"):
         kernels.apply_rope(x, cos[:-1], sin[:-1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("norm", [False, True], ids=["no-norm", "qk-norm"])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 16), (14, 2, 64), (16, 8, 128)])
+def test_qkv_heads_matches_reference(heads, kv_heads, head_dim, norm, dtype):
+    from xgr.layers.attention import qkv_heads_reference
+
+    tokens, slots, slot = 13, 3, 1
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = randn(tokens, width + 8, dtype=dtype, scale=3)[:, 4 : 4 + width]  # strided rows
+    cos, sin = rope_cos_sin(torch.randint(0, 5000, (tokens,), device=DEVICE), head_dim, 1e6, dtype)
+    weights = (randn(head_dim, dtype=dtype), randn(head_dim, dtype=dtype)) if norm else ()
+
+    def cache():  # a beam KV layout: (rows, slots, kv_heads, head_dim), poisoned
+        return torch.full((tokens, slots, kv_heads, head_dim), float("nan"), dtype=dtype,
+                          device=DEVICE)  # fmt: skip
+
+    got_k, got_v, want_k, want_v = cache(), cache(), cache(), cache()
+    q = kernels.qkv_heads(qkv, heads, kv_heads, cos, sin, got_k[:, slot], got_v[:, slot],
+                          *weights, eps=1e-6)  # fmt: skip
+    want_q = qkv_heads_reference(
+        qkv, heads, kv_heads, cos, sin, want_k[:, slot], want_v[:, slot], *weights, eps=1e-6
+    )
+    assert q.is_contiguous() and q.shape == (tokens, heads, head_dim)
+    assert_close(q, want_q, dtype)
+    assert_close(got_k[:, slot], want_k[:, slot], dtype)
+    assert torch.equal(got_v[:, slot], want_v[:, slot])  # v is copied, not rounded
+    others = [s for s in range(slots) if s != slot]
+    assert torch.isnan(got_k[:, others]).all() and torch.isnan(got_v[:, others]).all()
+
+
+def test_qkv_heads_rejects_bad_arguments():
+    qkv = randn(3, 4 * 16, dtype=torch.float32)
+    cos, sin = rope_cos_sin(torch.arange(3, device=DEVICE), 16, 1e4, torch.float32)
+    k, v = randn(3, 1, 16, dtype=torch.float32), randn(3, 1, 16, dtype=torch.float32)
+    with pytest.raises(ValueError, match="does not hold"):
+        kernels.qkv_heads(qkv[:, :-1], 2, 1, cos, sin, k, v)
+    with pytest.raises(ValueError, match="k_out must be"):
+        kernels.qkv_heads(qkv, 2, 1, cos, sin, k[:2], v)
+    with pytest.raises(ValueError, match="both q and k norm"):
+        kernels.qkv_heads(qkv, 2, 1, cos, sin, k, v, randn(16, dtype=torch.float32))
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.qkv_heads(qkv, 2, 1, cos[:2], sin[:2], k, v)

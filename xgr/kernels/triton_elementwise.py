@@ -216,3 +216,133 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
             out.stride(0), out.stride(1), HALF=half, BLOCK_M=block_m, num_warps=4,
         )  # fmt: skip
     return out
+
+
+@triton.jit
+def _qkv_heads_kernel(
+    QKV, COS, SIN, QW, KW, Q_OUT, K_OUT, V_OUT, rows, eps,
+    stride_t, stride_ct, stride_kt, stride_kh, stride_vt, stride_vh,
+    Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    # Rows are (token, head) pairs over the q heads, then the k heads, then the v heads of
+    # each token: the column order of the fused projection's output.
+    heads: tl.constexpr = Q_HEADS + 2 * KV_HEADS
+    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ok = r < rows
+    t = (r // heads).to(tl.int64)
+    h = r % heads
+    is_q = h < Q_HEADS
+    is_v = h >= Q_HEADS + KV_HEADS
+    is_k = ~is_q & ~is_v
+    offs = tl.arange(0, HALF)[None, :]
+    ok2 = ok[:, None]
+    x_ptr = QKV + t[:, None] * stride_t + h[:, None] * (2 * HALF) + offs
+    lo = tl.load(x_ptr, mask=ok2, other=0.0).to(tl.float32)
+    hi = tl.load(x_ptr + HALF, mask=ok2, other=0.0).to(tl.float32)
+    dtype = Q_OUT.dtype.element_ty
+    if NORM:  # per-head RMSNorm of q and k, rounded as ``rms_norm`` rounds it
+        ss = tl.sum(lo * lo, 1) + tl.sum(hi * hi, 1)
+        rstd = (1.0 / tl.sqrt(ss / (2 * HALF) + eps))[:, None]
+        w_lo = tl.where(is_q[:, None], tl.load(QW + offs), tl.load(KW + offs))
+        w_hi = tl.where(is_q[:, None], tl.load(QW + HALF + offs), tl.load(KW + HALF + offs))
+        n_lo = (lo * rstd).to(dtype).to(tl.float32) * w_lo.to(tl.float32)
+        n_hi = (hi * rstd).to(dtype).to(tl.float32) * w_hi.to(tl.float32)
+        lo = tl.where(is_v[:, None], lo, n_lo.to(dtype).to(tl.float32))
+        hi = tl.where(is_v[:, None], hi, n_hi.to(dtype).to(tl.float32))
+    # RoPE of q and k as ``apply_rope`` rounds it; v passes through.
+    c_ptr = COS + t[:, None] * stride_ct + offs
+    s_ptr = SIN + t[:, None] * stride_ct + offs
+    c_lo = tl.load(c_ptr, mask=ok2, other=0.0).to(tl.float32)
+    c_hi = tl.load(c_ptr + HALF, mask=ok2, other=0.0).to(tl.float32)
+    s_lo = tl.load(s_ptr, mask=ok2, other=0.0).to(tl.float32)
+    s_hi = tl.load(s_ptr + HALF, mask=ok2, other=0.0).to(tl.float32)
+    r_lo = (lo * c_lo).to(dtype).to(tl.float32) + (-hi * s_lo).to(dtype).to(tl.float32)
+    r_hi = (hi * c_hi).to(dtype).to(tl.float32) + (lo * s_hi).to(dtype).to(tl.float32)
+    out_lo = tl.where(is_v[:, None], lo, r_lo).to(dtype)
+    out_hi = tl.where(is_v[:, None], hi, r_hi).to(dtype)
+    q_ptr = Q_OUT + t[:, None] * (Q_HEADS * 2 * HALF) + h[:, None] * (2 * HALF) + offs
+    q_ok = ok2 & is_q[:, None]
+    tl.store(q_ptr, out_lo, mask=q_ok)
+    tl.store(q_ptr + HALF, out_hi, mask=q_ok)
+    k_ptr = K_OUT + t[:, None] * stride_kt + (h - Q_HEADS)[:, None] * stride_kh + offs
+    k_ok = ok2 & is_k[:, None]
+    tl.store(k_ptr, out_lo, mask=k_ok)
+    tl.store(k_ptr + HALF, out_hi, mask=k_ok)
+    v_ptr = V_OUT + t[:, None] * stride_vt + (h - Q_HEADS - KV_HEADS)[:, None] * stride_vh + offs
+    v_ok = ok2 & is_v[:, None]
+    tl.store(v_ptr, out_lo, mask=v_ok)
+    tl.store(v_ptr + HALF, out_hi, mask=v_ok)
+
+
+def qkv_heads(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_out: torch.Tensor,
+    v_out: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """The fused q/k/v projection's output made ready for attention, in one pass.
+
+    Per (token, head): optional per-head RMSNorm of q and k (Qwen3), RoPE of q and k, and
+    the k and v heads written straight into their KV cache slots. Replaces two norms, two
+    RoPE passes and the K/V copies (with the copies that strided column views cost them):
+    six to eight kernels per layer. Rounds as ``rms_norm`` then ``apply_rope`` do.
+
+    Args:
+        qkv: (T, (num_heads + 2 * num_kv_heads) * head_dim), the q, k, v columns in order;
+            rows may be strided, the last dimension contiguous.
+        num_heads, num_kv_heads: query and KV heads.
+        cos, sin: (T, head_dim) tables of ``rope_cos_sin``, with equal strides.
+        k_out, v_out: (T, num_kv_heads, head_dim) destinations (e.g. a KV cache slot), any
+            token and head strides, contiguous last dimension; written in place.
+        q_norm_weight, k_norm_weight: (head_dim,) RMSNorm scales, both or neither.
+        eps: the norms' epsilon.
+
+    Returns:
+        q: (T, num_heads, head_dim) contiguous, in qkv's dtype.
+
+    Raises:
+        ValueError: shapes, dtypes or strides that do not fit, or a head_dim that is not a
+            power of two.
+    """
+    tokens = qkv.shape[0]
+    heads = num_heads + 2 * num_kv_heads
+    head_dim = qkv.shape[1] // heads if qkv.dim() == 2 else 0
+    half = head_dim // 2
+    kv_shape = (tokens, num_kv_heads, head_dim)
+    if qkv.dim() != 2 or qkv.shape[1] != heads * head_dim or half < 1 or half & (half - 1):
+        raise ValueError(f"qkv {tuple(qkv.shape)} does not hold {heads} power-of-two heads")
+    if qkv.stride(-1) != 1 or cos.shape != (tokens, head_dim) or sin.stride() != cos.stride():
+        raise ValueError(f"qkv and the tables {tuple(cos.shape)} do not fit")
+    if cos.stride(-1) != 1:
+        raise ValueError("the tables need a contiguous last dimension")
+    for name, t in (("k_out", k_out), ("v_out", v_out)):
+        if t.shape != kv_shape or t.dtype != qkv.dtype or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be {kv_shape} {qkv.dtype}, got {tuple(t.shape)}")
+    norm = q_norm_weight is not None
+    if norm != (k_norm_weight is not None):
+        raise ValueError("give both q and k norm weights, or neither")
+    if norm:
+        for w in (q_norm_weight, k_norm_weight):
+            if w.shape != (head_dim,) or w.dtype != qkv.dtype:
+                raise ValueError(f"norm weights must be ({head_dim},) {qkv.dtype}")
+        q_norm_weight, k_norm_weight = q_norm_weight.contiguous(), k_norm_weight.contiguous()
+    else:
+        q_norm_weight = k_norm_weight = cos  # unread
+    q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    rows = tokens * heads
+    block_m = _rows_per_program(head_dim)
+    if rows:
+        _qkv_heads_kernel[(triton.cdiv(rows, block_m),)](
+            qkv, cos, sin, q_norm_weight, k_norm_weight, q, k_out, v_out, rows, eps,
+            qkv.stride(0), cos.stride(0), k_out.stride(0), k_out.stride(1), v_out.stride(0),
+            v_out.stride(1), Q_HEADS=num_heads, KV_HEADS=num_kv_heads, HALF=half, NORM=norm,
+            BLOCK_M=block_m, num_warps=4,
+        )  # fmt: skip
+    return q

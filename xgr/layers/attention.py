@@ -11,8 +11,8 @@ from xgr.kernels.decode_attention import decode_attention_reference
 from xgr.kernels.prefill_attention import prefill_attention
 from xgr.kv import BeamKV, SharedKV
 from xgr.layers.linear import concat_linears
-from xgr.layers.norm import RMSNorm
-from xgr.layers.rotary import apply_rope
+from xgr.layers.norm import RMSNorm, rms_norm_reference
+from xgr.layers.rotary import apply_rope, apply_rope_reference
 
 
 @dataclass
@@ -104,32 +104,33 @@ class Attention(nn.Module):
         meta: PrefillMetadata | DecodeMetadata,
     ) -> torch.Tensor:
         """x: (T, hidden) tokens (prompt tokens, or one per beam); returns (T, hidden)."""
-        tokens = x.shape[0]
-        if self.qkv_proj is not None:  # one GEMM; q, k, v are column views of its output
-            q_dim = self.num_heads * self.head_dim
-            kv_dim = self.num_kv_heads * self.head_dim
-            q, k, v = self.qkv_proj(x).split([q_dim, kv_dim, kv_dim], dim=1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        layer = self.layer_index
+        tokens, layer = x.shape[0], self.layer_index
+        # Where this layer's new K/V go: the prompt KV (prefill; it may be a larger reused
+        # buffer whose first tokens the batch fills) or each beam's next slot (decode).
         if isinstance(meta, PrefillMetadata):
-            # The shared KV may be a larger reused buffer: the batch fills its first tokens.
-            meta.shared.k[layer, :tokens].copy_(k)
-            meta.shared.v[layer, :tokens].copy_(v)
+            k, v = meta.shared.k[layer, :tokens], meta.shared.v[layer, :tokens]
+        else:
+            slot = meta.beam.length
+            k, v = meta.beam.k[layer, :, slot], meta.beam.v[layer, :, slot]
+        if self.qkv_proj is not None:
+            norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+            eps = self.q_norm.eps if self.qk_norm else 0.0
+            q = qkv_heads(self.qkv_proj(x), self.num_heads, self.num_kv_heads, cos, sin, k, v,
+                          *norms, eps)  # fmt: skip
+        else:
+            q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
+            k_new = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+            if self.qk_norm:
+                q, k_new = self.q_norm(q), self.k_norm(k_new)
+            k.copy_(apply_rope(k_new, cos, sin))
+            v.copy_(self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim))
+            q = apply_rope(q, cos, sin)
+        if isinstance(meta, PrefillMetadata):
             out = prefill_attention(
                 q, k, v, meta.cu_seqlens, self.scale, meta.cu_seqlens_device, meta.max_seqlen,
                 meta.packed,
             )  # fmt: skip
         else:
-            slot = meta.beam.length
-            meta.beam.k[layer, :, slot] = k
-            meta.beam.v[layer, :, slot] = v
             out = self._decode(q, meta, slot + 1)  # the current token attends to itself too
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
@@ -156,3 +157,64 @@ class Attention(nn.Module):
         return decode_attention_reference(
             q, shared_k, shared_v, meta.cu_seqlens, own_k, own_v, meta.beam_width, self.scale
         )
+
+
+def qkv_heads(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_out: torch.Tensor,
+    v_out: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Split a fused q/k/v projection into heads: norm q and k (if weights are given), rotate
+    them, write k and v into ``k_out`` / ``v_out`` and return q.
+
+    On CUDA one Triton pass (``xgr.kernels.triton_elementwise.qkv_heads``, where its
+    arguments, shapes and errors are described), else ``qkv_heads_reference``.
+    """
+    heads = num_heads + 2 * num_kv_heads
+    if qkv.is_cuda and qkv.dim() == 2 and qkv.shape[1] // heads in (16, 32, 64, 128, 256):
+        from xgr.kernels import triton_elementwise
+
+        return triton_elementwise.qkv_heads(
+            qkv, num_heads, num_kv_heads, cos, sin, k_out, v_out, q_norm_weight, k_norm_weight,
+            eps,
+        )  # fmt: skip
+    return qkv_heads_reference(
+        qkv, num_heads, num_kv_heads, cos, sin, k_out, v_out, q_norm_weight, k_norm_weight, eps
+    )
+
+
+def qkv_heads_reference(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_out: torch.Tensor,
+    v_out: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """The torch reference of ``qkv_heads``: split, RMSNorm, RoPE and copy, op by op.
+
+    Returns:
+        q: (T, num_heads, head_dim) in qkv's dtype.
+    """
+    tokens = qkv.shape[0]
+    head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim,
+                         num_kv_heads * head_dim], dim=1)  # fmt: skip
+    q = q.reshape(tokens, num_heads, head_dim)
+    k = k.reshape(tokens, num_kv_heads, head_dim)
+    if q_norm_weight is not None:
+        q, k = rms_norm_reference(q, q_norm_weight, eps), rms_norm_reference(k, k_norm_weight, eps)
+    k_out.copy_(apply_rope_reference(k, cos, sin))
+    v_out.copy_(v.view(tokens, num_kv_heads, head_dim))
+    return apply_rope_reference(q, cos, sin)
