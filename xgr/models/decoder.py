@@ -17,7 +17,11 @@ from xgr.models.config import DecoderConfig
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    The last residual add is left to the next norm (which adds in the same pass): the layer
+    returns the residual stream and its MLP output separately.
+    """
 
     def __init__(self, cfg: DecoderConfig, layer_index: int) -> None:
         super().__init__()
@@ -26,10 +30,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias)
 
-    def forward(self, x, cos, sin, meta) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        x, h = self.post_attention_layernorm(attn, residual=x)  # the add fused into the norm
-        return x + self.mlp(h)
+    def forward(
+        self, x: torch.Tensor, cos, sin, meta, delta: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: (T, hidden) residual stream; delta: the previous layer's MLP output, not yet
+        added to x (None for the first layer). Returns (residual stream, this MLP's output)."""
+        if delta is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = self.input_layernorm(delta, residual=x)
+        attn = self.self_attn(h, cos, sin, meta)
+        x, h = self.post_attention_layernorm(attn, residual=x)
+        return x, self.mlp(h)
 
 
 class DecoderStack(nn.Module):
@@ -81,9 +93,12 @@ class CausalLM(nn.Module):
         """
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        delta = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, meta)
-        return self.model.norm(x)
+            x, delta = layer(x, cos, sin, meta, delta)
+        if delta is None:  # no layers
+            return self.model.norm(x)
+        return self.model.norm(delta, residual=x)[1]
 
     def fuse_projections(self) -> None:
         """Fuse each layer's q/k/v and gate/up projections into one GEMM each (idempotent).
