@@ -156,13 +156,14 @@ def _engine_options(func):
     return command
 
 
-# Batches in flight at once (serve, and bench serve in-process).
+# CUDA streams running batches side by side (serve, and bench serve in-process).
 _STREAMS_OPTION = click.option(
     "--streams",
     default=1,
     show_default=True,
     type=click.IntRange(1, 16),
-    help="Batches in flight at once, each on its own CUDA stream (GPU only).",
+    help="CUDA streams running batches side by side (GPU only); on each, the next batch "
+    "is launched while the current one runs.",
 )
 
 

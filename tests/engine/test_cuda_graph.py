@@ -20,7 +20,7 @@ from xgr.engine.cuda_graph import (
     encoder_bucket,
     prefill_bucket,
 )
-from xgr.engine.generate import _generate
+from xgr.engine.generate import _launch
 from xgr.engine.warm_up import warm_up_batches
 from xgr.models import CausalLM
 from xgr.models.config import DecoderConfig, T5Config
@@ -187,8 +187,8 @@ def test_graph_buffers_give_the_eager_results_on_the_cpu(arch, model_dirs, tmp_p
     gen = torch.Generator().manual_seed(0)
     for lens in batches:
         prompts = [torch.randint(2, 40, (n,), generator=gen).tolist() for n in lens]
-        want = _generate(engine.decode_spec, prompts, 8, 8, None)
-        got = _generate(engine.decode_spec, prompts, 8, 8, graphs)
+        want = _launch(engine.decode_spec, prompts, 8, 8, None).wait()
+        got = _launch(engine.decode_spec, prompts, 8, 8, graphs).wait()
         assert torch.equal(got.sid_index, want.sid_index), lens
         torch.testing.assert_close(got.scores, want.scores, atol=1e-5, rtol=1e-5)
     # Fewer graphs than batches: later batches replayed earlier captures.

@@ -360,6 +360,32 @@ def test_concurrent_calls_on_lanes_equal_calls_one_by_one(model_dirs):
         ]
     with pytest.raises(XgrError, match="cuda_streams"):
         make_engine(model_dirs, catalog, cuda_streams=0)
+    with pytest.raises(XgrError, match="pipeline_depth"):
+        make_engine(model_dirs, catalog, pipeline_depth=0)
+
+
+def test_launched_batches_collect_to_the_recommend_results_in_any_order(model_dirs):
+    engine = make_engine(model_dirs, random_catalog(300, 3, 16, seed=15))
+    batches = [random_prompts([5, 9], seed=s) for s in range(3)] + [[]]
+    alone = [engine.recommend(b, beam_width=8, top_k=8, num_results=8) for b in batches]
+    # More launches than lanes, none collected yet: the CPU's work is done at launch.
+    launched = [engine.recommend_async(b, 8, 8, 8) for b in batches]
+    for want, pending in reversed(list(zip(alone, launched, strict=True))):
+        got = pending.result()
+        assert got is pending.result()  # collected once
+        assert [r.semantic_ids for r in got] == [r.semantic_ids for r in want]
+    with pytest.raises(XgrError, match="beam_width"):  # input errors come from the launch
+        engine.recommend_async(batches[0], beam_width=0)
+
+
+def test_a_launched_batch_keeps_its_model_error_for_every_collect(model_dirs):
+    engine = make_engine(model_dirs, random_catalog(50, 3, 16, seed=16))
+    engine.model.lm_head.weight.data.fill_(float("nan"))
+    pending = engine.recommend_async(random_prompts([4]), beam_width=4, num_results=2)
+    for _ in range(2):
+        with pytest.raises(ModelOutputError, match="no finite log-probability"):
+            pending.result()
+    assert engine._lanes.qsize() == engine.lanes  # the lane came back
 
 
 def test_warm_up_checks_arguments_and_captures_nothing_on_the_cpu(model_dirs):

@@ -206,13 +206,42 @@ def test_two_streams_run_batches_concurrently_with_the_same_results(model_dirs):
     two = Engine.from_pretrained(
         model_dirs["qwen2"], catalog, device="cuda", sid_token_ids=sid_map, cuda_streams=2
     )
-    assert two.lanes == 2
+    assert (one.lanes, two.lanes) == (2, 4)  # streams x pipeline depth 2
     gen = torch.Generator().manual_seed(14)
     batches = [[torch.randint(0, 96, (n,), generator=gen).tolist()] for n in range(5, 60, 5)]
     expected = [sid_lists(one.recommend(b, 16, 16, 16)) for b in batches]
     with ThreadPoolExecutor(4) as pool:
         got = list(pool.map(lambda b: sid_lists(two.recommend(b, 16, 16, 16)), batches))
     assert got == expected
+
+
+def test_launched_batches_queue_on_one_stream_and_give_the_sequential_results(model_dirs):
+    """Two batches of one graph shape launched back to back (the second refills the graphs'
+    buffers while the first may still run) without a host sync, and a third while both
+    lanes are taken, collected out of order: the results of running them one by one."""
+    engine = bf16_engine(model_dirs["qwen2"], seed=21)
+    gen = torch.Generator().manual_seed(22)
+    batches = [
+        [torch.randint(0, 96, (n,), generator=gen).tolist() for n in lens]
+        for lens in ((40, 31), (35, 38), (12,))
+    ]
+    expected = [engine.recommend(b, 16, 16, 16) for b in batches]  # captures the graphs
+    captures = engine.graphs.captures
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pending = [engine.recommend_async(b, 16, 16, 16) for b in batches[:2]]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    # Both lanes are taken: the third launch waits for the device, then takes the first's.
+    pending.append(engine.recommend_async(batches[2], 16, 16, 16))
+    got = [pending[1].result(), pending[0].result(), pending[2].result()]
+    got[:2] = got[1::-1]
+    assert engine.graphs.captures == captures
+    for want, have in zip(expected, got, strict=True):
+        assert sid_lists(have) == sid_lists(want)
+        for x, y in zip(want, have, strict=True):
+            assert [s for _, s in x.semantic_ids] == [s for _, s in y.semantic_ids]
 
 
 def test_warm_up_captures_every_shape_the_load_then_needs(model_dirs):

@@ -480,3 +480,73 @@ def test_a_restarted_scheduler_keeps_its_in_flight_limit():
     answers = asyncio.run(scenario())
     assert all(a.result.prompt_tokens == 3 for a in answers)
     assert state["most"] == 2
+
+
+class PipelinedEngine:
+    """Stands in for a one-stream engine with ``recommend_async``: a launch returns at once
+    and the simulated device runs the launched batches one after another, ``seconds`` each.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.lock = threading.Lock()
+        self.free_at = 0.0
+        self.batches: list[list[int]] = []  # first token of each prompt, per launch
+        self.in_flight = self.most_in_flight = 0
+
+    def recommend_async(self, prompts, beam_width, top_k, num_results, exclude_item_ids):
+        with self.lock:
+            end = max(time.perf_counter(), self.free_at) + self.seconds
+            self.free_at = end
+            self.batches.append([p[0] for p in prompts])
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        engine = self
+
+        class Pending:
+            def result(self):
+                time.sleep(max(0.0, end - time.perf_counter()))
+                with engine.lock:
+                    engine.in_flight -= 1
+                return [RecommendResult(prompt_tokens=len(p)) for p in prompts]
+
+        return Pending()
+
+
+def test_pipelined_launches_answer_a_burst_once_each_with_two_batches_in_flight():
+    engine = PipelinedEngine(seconds=0.005)
+
+    async def scenario():
+        batcher = RequestBatcher(engine, max_batch_size=16, max_inflight=2)
+        batcher.start()
+        burst = [QueuedRequest([i] * (1 + i % 5), 8, 8, 3) for i in range(300)]
+        answers = await run_concurrently(batcher, burst)
+        await batcher.stop()
+        return burst, answers
+
+    burst, answers = asyncio.run(scenario())
+    assert [a.result.prompt_tokens for a in answers] == [len(r.prompt) for r in burst]
+    assert sorted(t for batch in engine.batches for t in batch) == list(range(300))
+    assert engine.most_in_flight == 2  # the next batch was launched while one ran
+
+
+def test_the_next_pipelined_batch_is_formed_when_the_running_one_is_nearly_done():
+    """Requests arriving while a batch runs join one batch launched just before it ends,
+    not a batch of whichever arrived first."""
+    engine = PipelinedEngine(seconds=0.3)
+
+    async def scenario():
+        batcher = RequestBatcher(engine, max_batch_size=16, max_inflight=2)
+        batcher.start()
+        await batcher.submit(request(0))  # measures the batch time (0.3 s for 11 tokens)
+        first = asyncio.ensure_future(batcher.submit(request(1)))
+        await asyncio.sleep(0.02)
+        later = []
+        for i in range(2, 7):  # arrive within ~0.1 s of the 0.3 s the first batch runs
+            later.append(asyncio.ensure_future(batcher.submit(request(i))))
+            await asyncio.sleep(0.02)
+        await asyncio.gather(first, *later)
+        await batcher.stop()
+
+    asyncio.run(scenario())
+    assert engine.batches == [[0], [1], [2, 3, 4, 5, 6]]

@@ -98,7 +98,8 @@ def test_client_returns_engine_results(base_url, engine):
 
 
 class HeldEngine:
-    """An engine whose ``recommend`` waits for ``release`` (everything else delegates)."""
+    """An engine whose ``recommend`` and ``recommend_async`` wait for ``release`` (everything
+    else delegates)."""
 
     def __init__(self, engine):
         import threading
@@ -113,6 +114,10 @@ class HeldEngine:
     def recommend(self, *args, **kwargs):
         self.release.wait(30)
         return self._engine.recommend(*args, **kwargs)
+
+    def recommend_async(self, *args, **kwargs):
+        self.release.wait(30)
+        return self._engine.recommend_async(*args, **kwargs)
 
 
 def test_full_queue_answers_429_with_retry_after(engine):

@@ -21,8 +21,9 @@ with no host involvement:
 Both read and write one prompt-KV pool that grows in powers of two (dropping the graphs,
 which hold its address). Graphs are captured on first use of a shape, after one eager
 warm-up run that compiles the Triton kernels, and kept in an LRU; all share one memory pool,
-which is safe because replays never overlap (a lock serializes batches) and each result is
-copied out before the next replay. Batches beyond ``max_requests`` or ``max_prefill_tokens``
+which is safe because replays never overlap (a lock serializes launches, and one lane's
+batches queue on one stream) and each batch's results are copied out, in stream order,
+before the next batch's replays. Batches beyond ``max_requests`` or ``max_prefill_tokens``
 run eagerly, with a log line.
 """
 
@@ -147,8 +148,8 @@ class CudaGraphs:
         max_prefill_tokens: the largest padded prefill captured; longer ones run eagerly.
         max_graphs: graphs kept; the least recently used is dropped beyond this.
 
-    Callers hold ``lock`` from ``shared_kv`` until the outputs of ``replay_decode`` have been
-    copied out (``xgr.engine.generate`` does).
+    Callers hold ``lock`` from ``shared_kv`` until the copy of ``replay_decode``'s outputs is
+    queued on the stream (``xgr.engine.generate`` does).
     """
 
     def __init__(
@@ -225,6 +226,8 @@ class CudaGraphs:
             layers, heads, head_dim = self.model.shared_kv_layout
             weight = self.model.lm_head.weight
             shape = (layers, tokens, heads, head_dim)
+            if self._pool_k is not None and self._pool_k.is_cuda:  # a launched batch may use it
+                torch.cuda.synchronize(weight.device)
             self._graphs.clear()  # they hold the old pool's address
             # With its last graph gone the memory pool is released, and PyTorch refuses a
             # new capture into a released pool (an internal assert): take a fresh one.
@@ -453,6 +456,8 @@ class CudaGraphs:
         logger.info("captured CUDA graph %s", key)
         entry = _Graph(graph, inputs, tuple(outputs))
         self._graphs[key] = entry
+        # The capture synchronized the device: no launched batch still replays the graph
+        # dropped here.
         while len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)
         return entry

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,12 @@ from xgr.core import (
 )
 from xgr.engine.cuda_graph import CaptureGate, CudaGraphs
 from xgr.engine.decode import DecodeSpec
-from xgr.engine.generate import PREFILL_PAD_TOKEN, generate_semantic_ids
+from xgr.engine.generate import (
+    PREFILL_PAD_TOKEN,
+    PendingGeneration,
+    generate_semantic_ids,
+    launch_semantic_ids,
+)
 from xgr.engine.model_folder import (
     DEFAULT_CATALOG_FILE,
     check_catalog_fingerprint,
@@ -44,6 +50,9 @@ from xgr.models.sid_vocab import (
 )
 
 logger = logging.getLogger(__name__)
+
+# How often a launch waiting for a lane checks whether a launched batch has finished (s).
+LANE_POLL_SECONDS = 0.01
 
 
 Prompt = Sequence[int] | str
@@ -69,9 +78,13 @@ class Engine:
         cuda_graphs: on CUDA, replay the decode levels from CUDA graphs (one per batch
             shape, captured on first use); False decodes eagerly.
         cuda_streams: on CUDA, how many batches may run at once, each on its own stream with
-            its own graphs and prompt-KV pool (the weights are shared); ``recommend`` is then
-            safe to call from that many threads (the scheduler's ``max_inflight``). 1 (the
-            default) runs on the current stream.
+            its own graphs and prompt-KV pool (the weights are shared). 1 (the default) runs
+            on the current stream.
+        pipeline_depth: on CUDA, batches launched per stream before the first is collected
+            (``recommend_async``): with 2, the host prepares and queues the next batch while
+            the device computes the current one, so the device does not wait for the host
+            between batches. ``recommend`` is safe to call from ``lanes`` (streams x depth)
+            threads at once (the scheduler's ``max_inflight``).
 
     Raises:
         XgrError: the code map does not match the catalog or the model's vocabulary.
@@ -89,6 +102,7 @@ class Engine:
         full_vocab: bool = True,
         cuda_graphs: bool = True,
         cuda_streams: int = 1,
+        pipeline_depth: int = 2,
     ) -> None:
         encdec = model.is_encoder_decoder
         model.fuse_projections()  # one GEMM where projections read the same input
@@ -110,6 +124,7 @@ class Engine:
         )
         cuda = self.device.type == "cuda"
         cuda_streams = positive_int("cuda_streams", cuda_streams)
+        pipeline_depth = positive_int("pipeline_depth", pipeline_depth)
         lanes = cuda_streams if cuda else 1
         self.graphs = CudaGraphs(model) if cuda_graphs and cuda else None
         # Lanes run batches concurrently. One lane runs on the current stream; several each
@@ -119,9 +134,15 @@ class Engine:
         )
         self._lane_graphs = [CudaGraphs(model) if cuda_graphs else None for _ in range(lanes - 1)]
         self._gate = CaptureGate()  # a lane that captures a graph runs alone
+        # A lane is taken for a batch from its launch until its results reach the host; each
+        # stream is pipeline_depth lanes (its batches queue behind each other on the device).
         self._lanes: queue.SimpleQueue[int] = queue.SimpleQueue()
-        for lane in range(lanes):
-            self._lanes.put(lane)
+        for _ in range(pipeline_depth if cuda else 1):
+            for lane in range(lanes):
+                self._lanes.put(lane)
+        self._depth = pipeline_depth if cuda else 1
+        self._lane_lock = threading.Lock()
+        self._in_flight: dict[int, PendingRecommendation] = {}  # launched, lane still held
         if not encdec and self.max_prompt_tokens < 1:
             raise XgrError(
                 f"max_position_embeddings {model.config.max_position_embeddings} leaves no room "
@@ -200,8 +221,9 @@ class Engine:
 
     @property
     def lanes(self) -> int:
-        """Batches this engine runs at once (``cuda_streams`` on CUDA, else 1)."""
-        return len(self._streams)
+        """Batches this engine can have in flight at once: ``cuda_streams`` x
+        ``pipeline_depth`` on CUDA, else 1."""
+        return len(self._streams) * self._depth
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -283,6 +305,27 @@ class Engine:
         Raises:
             XgrError: bad search parameters or prompts (empty, out-of-vocab ids).
             PromptTooLongError: a prompt longer than ``max_prompt_tokens``.
+            ModelOutputError: the model gave no finite score for a prompt.
+        """
+        return self.recommend_async(
+            prompts, beam_width, top_k, num_results, exclude_item_ids
+        ).result()
+
+    def recommend_async(
+        self,
+        prompts: Sequence[Prompt],
+        beam_width: int = 64,
+        top_k: int = 64,
+        num_results: int | Sequence[int] = 10,
+        exclude_item_ids: Sequence[Iterable[Any]] | None = None,
+    ) -> PendingRecommendation:
+        """``recommend``, returning once the batch's device work is queued (on CUDA; on the
+        CPU once it is done). Arguments and input errors as ``recommend``; blocks while
+        ``lanes`` batches are in flight.
+
+        Returns:
+            A ``PendingRecommendation``; its ``result()`` waits for the device and gives
+            ``recommend``'s results (or raises its ``ModelOutputError``).
         """
         if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence):
             raise XgrError("prompts must be a list of prompts")
@@ -299,8 +342,8 @@ class Engine:
                 raise XgrError("exclude_item_ids needs one entry per prompt")
             excluded = [_item_id_set(ids, i) for i, ids in enumerate(exclude_item_ids)]
         if not tokenized:
-            return []
-        lane = self._lanes.get()  # blocks while every lane runs a batch
+            return PendingRecommendation(self, None, [], [], [], None)
+        lane = self._take_lane()
         try:
             stream = self._streams[lane]
             graphs = self._lane_graphs[lane - 1] if lane else self.graphs
@@ -314,27 +357,33 @@ class Engine:
                 self._gate.exclusive() if alone else self._gate.shared(),
                 torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(),
             ):
-                out = generate_semantic_ids(
+                pending = launch_semantic_ids(
                     self.decode_spec, tokenized, search.beam_width, search.top_k, graphs
                 )
-        finally:
+        except BaseException:
             self._lanes.put(lane)
-        sid_index, scores = out.sid_index.numpy(), out.scores.numpy()
-        # Every live beam has a valid continuation, so no finite score means NaN or -inf
-        # log-probabilities everywhere: a broken model or an overflowing dtype.
-        broken = [i for i in range(len(tokenized)) if not np.isfinite(scores[i, 0])]
-        if broken:
-            raise ModelOutputError(
-                f"the model gave no finite log-probability for prompts {broken[:10]} "
-                f"(dtype {self.model.lm_head.weight.dtype}); try float32 or bfloat16"
-            )
-        results = []
-        for i, tokens in enumerate(tokenized):
-            result = self._result(sid_index[i], scores[i], params[i].num_results, excluded[i])
-            result.prompt_tokens = len(tokens)
-            result.prefill_ms, result.decode_ms = out.prefill_ms, out.decode_ms
-            results.append(result)
-        return results
+            raise
+        launched = PendingRecommendation(self, pending, tokenized, params, excluded, lane)
+        if pending.events is None:  # the CPU: the work is done
+            launched._release()
+        else:
+            with self._lane_lock:
+                self._in_flight[id(launched)] = launched
+        return launched
+
+    def _take_lane(self) -> int:
+        """A free lane; while there is none, batches whose device work has finished give
+        theirs back even if nobody has collected them (a caller that launches more batches
+        than ``lanes`` without collecting waits for the device, not forever)."""
+        while True:
+            try:
+                return self._lanes.get(timeout=LANE_POLL_SECONDS)
+            except queue.Empty:
+                with self._lane_lock:
+                    launched = list(self._in_flight.values())
+                for batch in launched:
+                    if batch._device_done():
+                        batch._release()
 
     def warm_up(
         self,
@@ -426,3 +475,80 @@ def _item_id_set(ids: Any, index: int) -> set[str]:
             f"exclude_item_ids[{index}] must be a list of item ids, got {type(ids).__name__}"
         )
     return {str(x) for x in ids}
+
+
+class PendingRecommendation:
+    """A batch launched by ``Engine.recommend_async``: ``result()`` waits for it.
+
+    Not made directly. ``result()`` may be called from another thread than the launch, and
+    more than once (the first call's outcome is kept).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        pending: PendingGeneration | None,
+        tokenized: list[list[int]],
+        params: list[SearchParams],
+        excluded: list[set[str]],
+        lane: int | None,
+    ) -> None:
+        self._engine, self._pending, self._tokenized = engine, pending, tokenized
+        self._params, self._excluded, self._lane = params, excluded, lane
+        self._results: list[RecommendResult] | None = [] if pending is None else None
+        self._error: BaseException | None = None
+        self._released = pending is None
+
+    def result(self) -> list[RecommendResult]:
+        """One ``RecommendResult`` per prompt, in order.
+
+        Raises:
+            ModelOutputError: the model gave no finite log-probability for some prompt.
+        """
+        if self._results is None and self._error is None:
+            try:
+                self._results = self._collect()
+            except BaseException as exc:
+                self._error = exc
+        if self._error is not None:
+            raise self._error
+        return self._results
+
+    def _device_done(self) -> bool:
+        events = self._pending.events
+        return events is None or events[-1].query()
+
+    def _release(self) -> None:
+        """Give the batch's lane back (once)."""
+        engine = self._engine
+        with engine._lane_lock:
+            if self._released:
+                return
+            self._released = True
+            engine._in_flight.pop(id(self), None)
+        engine._lanes.put(self._lane)
+
+    def _collect(self) -> list[RecommendResult]:
+        engine = self._engine
+        try:
+            out = self._pending.wait()
+        finally:  # the lane is free once the device is done with the batch
+            self._release()
+        sid_index, scores = out.sid_index.numpy(), out.scores.numpy()
+        # Every live beam has a valid continuation, so no finite score means NaN or -inf
+        # log-probabilities everywhere: a broken model or an overflowing dtype.
+        broken = [i for i in range(len(self._tokenized)) if not np.isfinite(scores[i, 0])]
+        if broken:
+            raise ModelOutputError(
+                f"the model gave no finite log-probability for prompts {broken[:10]} "
+                f"(dtype {engine.model.lm_head.weight.dtype}); try float32 or bfloat16"
+            )
+        results = []
+        for i, tokens in enumerate(self._tokenized):
+            result = engine._result(
+                sid_index[i], scores[i], self._params[i].num_results, self._excluded[i]
+            )
+            result.prompt_tokens = len(tokens)
+            result.prefill_ms, result.decode_ms = out.prefill_ms, out.decode_ms
+            results.append(result)
+        return results

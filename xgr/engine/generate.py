@@ -156,7 +156,32 @@ def allocate_shared_kv(model: CausalLM | T5Seq2SeqLM, inputs: BatchInputs) -> Sh
     )
 
 
-@torch.inference_mode()
+@dataclass
+class PendingGeneration:
+    """A batch whose device work is queued (``launch_semantic_ids``); ``wait`` returns it.
+
+    On the CPU the work is already done and ``wait`` only hands the output over.
+    """
+
+    sid_index: torch.Tensor
+    scores: torch.Tensor
+    events: list | None = None  # CUDA: start, prefill done, decode done, results on the host
+    host_ms: tuple[float, float] = (0.0, 0.0)
+
+    def wait(self) -> GenerationOutput:
+        """Block until the results are on the host (device time runs meanwhile)."""
+        if self.events is None:
+            return GenerationOutput(self.sid_index, self.scores, *self.host_ms)
+        self.events[3].synchronize()
+        start, prefilled, decoded = self.events[:3]
+        return GenerationOutput(
+            self.sid_index,
+            self.scores,
+            start.elapsed_time(prefilled),
+            prefilled.elapsed_time(decoded),
+        )
+
+
 def generate_semantic_ids(
     spec: DecodeSpec,
     prompts: list[list[int]],
@@ -177,18 +202,35 @@ def generate_semantic_ids(
     Returns:
         The best ``beam_width`` semantic IDs of each prompt with their scores, on the host.
     """
+    return launch_semantic_ids(spec, prompts, beam_width, top_k, graphs).wait()
+
+
+@torch.inference_mode()
+def launch_semantic_ids(
+    spec: DecodeSpec,
+    prompts: list[list[int]],
+    beam_width: int,
+    top_k: int,
+    graphs=None,
+) -> PendingGeneration:
+    """``generate_semantic_ids`` without waiting: on CUDA the batch's work, ending with the
+    copy of its results into pinned host memory, is queued on the current stream and this
+    returns at once, so the host can prepare and queue the next batch (stream order keeps
+    the graphs' reused buffers safe: this batch's outputs are copied before the next batch's
+    replays overwrite them). Arguments as ``generate_semantic_ids``.
+    """
     device = spec.sid_token_ids.device
     if graphs is not None and device.type == "cuda":
-        with graphs.lock:  # the pool and the graphs' outputs are reused by the next batch
-            return _generate(spec, prompts, beam_width, top_k, graphs)
-    return _generate(spec, prompts, beam_width, top_k, None)
+        with graphs.lock:  # one launch at a time into the graphs' buffers
+            return _launch(spec, prompts, beam_width, top_k, graphs)
+    return _launch(spec, prompts, beam_width, top_k, None)
 
 
-def _generate(spec, prompts, beam_width, top_k, graphs) -> GenerationOutput:
+def _launch(spec, prompts, beam_width, top_k, graphs) -> PendingGeneration:
     device = spec.sid_token_ids.device
     cuda = device.type == "cuda"
     if cuda:
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] + [torch.cuda.Event()]
         events[0].record()
     start = time.perf_counter()
     inputs = prepare_inputs(prompts, device)
@@ -216,12 +258,14 @@ def _generate(spec, prompts, beam_width, top_k, graphs) -> GenerationOutput:
         nodes, scores = decode_levels(
             spec, last_hidden, inputs.prompt_lens, shared, inputs.cu_seqlens_host, beam_width, top_k
         )
-    if cuda:
-        events[2].record()
-    nodes, scores = nodes.cpu(), scores.cpu()  # the one device-to-host copy
-    done = time.perf_counter()
-    if cuda:
-        prefill_ms, decode_ms = events[0].elapsed_time(events[1]), events[1].elapsed_time(events[2])
-    else:
-        prefill_ms, decode_ms = (prefilled - start) * 1e3, (done - prefilled) * 1e3
-    return GenerationOutput(nodes, scores, prefill_ms, decode_ms)
+    if not cuda:
+        done = time.perf_counter()
+        host_ms = ((prefilled - start) * 1e3, (done - prefilled) * 1e3)
+        return PendingGeneration(nodes, scores, host_ms=host_ms)
+    events[2].record()
+    # The one device-to-host copy, into pinned memory so that it is queued, not waited for.
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (nodes, scores)]
+    for dst, src in zip(host, (nodes, scores), strict=True):
+        dst.copy_(src, non_blocking=True)
+    events[3].record()
+    return PendingGeneration(host[0], host[1], events)

@@ -42,6 +42,13 @@ from xgr.scheduler.metrics import RequestTimes, ServingMetrics
 
 # Reported for every answered request: all semantic IDs have a fixed number of levels.
 FINISHED_REASON = "length"
+# Pipelined launches (see ``RequestBatcher._pace``): the next batch is formed this many
+# launch times plus a margin (s) before the device is predicted to be free; the launch time
+# is a running mean (this weight per batch) from a first guess.
+LAUNCH_LEAD_FACTOR = 2.0
+LAUNCH_LEAD_MARGIN = 0.002
+LAUNCH_SMOOTHING = 0.2
+DEFAULT_LAUNCH_SECONDS = 0.003
 
 
 class DeadlineExceededError(XgrError):
@@ -195,6 +202,13 @@ class RequestBatcher:
         self._runs: set[asyncio.Task] = set()
         self._slots: asyncio.Semaphore | None = None
         self._closing = False
+        # Pipelining (max_inflight > 1): when the launched batches are predicted to leave the
+        # device, how long launching a batch takes the host, when the last batch finished,
+        # and an event set whenever a batch finishes.
+        self._device_free_at = 0.0
+        self._launch_seconds = DEFAULT_LAUNCH_SECONDS
+        self._last_finished = 0.0
+        self._progress: asyncio.Event | None = None
 
     def cost(self, request: QueuedRequest) -> int:
         """Scheduled tokens of a request: its prompt plus one token per beam and level."""
@@ -204,6 +218,7 @@ class RequestBatcher:
         """Start the scheduling loop on the running event loop."""
         if self._task is None:
             self._wakeup = asyncio.Event()
+            self._progress = asyncio.Event()
             self._slots = asyncio.Semaphore(self.max_inflight)
             self._closing = False
             self._task = asyncio.get_running_loop().create_task(self._loop())
@@ -340,13 +355,16 @@ class RequestBatcher:
                 break  # first in, first served: no younger request jumps ahead
             batch.append(request)
             tokens += cost
+        # A batch launched behind others starts on the device when they are predicted done.
+        start = max(now, self._device_free_at) if self._batches else now
         while len(batch) > 1:
             seconds = self.latency.predict(tokens)
             deadlines = [r.deadline for r in batch if r.deadline is not None]
-            meets = not deadlines or now + seconds <= min(deadlines)
+            meets = not deadlines or start + seconds <= min(deadlines)
             if meets and (self.max_batch_ms is None or seconds * 1e3 <= self.max_batch_ms):
                 break
             tokens -= self.cost(batch.pop())  # the newest waits for the next batch
+        self._device_free_at = start + self.latency.predict(tokens)
         taken = set(map(id, batch))
         self._waiting = [r for r in kept if id(r) not in taken]
         return batch
@@ -357,6 +375,7 @@ class RequestBatcher:
                 self._wakeup.clear()
                 await self._wakeup.wait()
             await self._slots.acquire()  # a free engine lane (one, unless max_inflight > 1)
+            await self._pace()
             batch = self._next_batch()
             if not batch:
                 self._slots.release()
@@ -367,6 +386,24 @@ class RequestBatcher:
             run.add_done_callback(self._runs.discard)
             if self.max_inflight == 1:
                 await asyncio.wait({run})  # one batch at a time: form the next when it ends
+
+    async def _pace(self) -> None:
+        """With batches in flight, wait until the device is predicted to be free in about
+        the time a launch takes, so that the next batch, launched then, queues right behind
+        them: formed at once it would hold only the few requests waiting now, and the ones
+        arriving meanwhile would wait for a later batch. Several CUDA streams running
+        batches side by side finish sooner than this sequential prediction; it then only
+        delays forming."""
+        while self._batches:
+            lead = LAUNCH_LEAD_FACTOR * self._launch_seconds + LAUNCH_LEAD_MARGIN
+            wait = self._device_free_at - lead - time.perf_counter()
+            if wait <= 0:
+                return
+            self._progress.clear()
+            try:
+                await asyncio.wait_for(self._progress.wait(), wait)
+            except TimeoutError:
+                return
 
     async def _run_safely(self, batch: list[QueuedRequest], slots: asyncio.Semaphore) -> None:
         """Run one batch; whatever goes wrong fails its own requests, never the loop.
@@ -387,6 +424,10 @@ class RequestBatcher:
                     request.future.set_exception(ShuttingDownError("the server is shutting down"))
             if batch in self._batches:
                 self._batches.remove(batch)
+            if not self._batches:
+                self._device_free_at = time.perf_counter()
+            if self._progress is not None:
+                self._progress.set()
             slots.release()
             self._report_load()
 
@@ -398,15 +439,22 @@ class RequestBatcher:
         self._report_load()
         if self.metrics:
             self.metrics.observe_batch(len(live))
+        args = ([r.prompt for r in live],)
+        kwargs = dict(
+            beam_width=beam_width,
+            top_k=top_k,
+            num_results=[r.num_results for r in live],
+            exclude_item_ids=[r.exclude for r in live],
+        )
+        launch = getattr(self.engine, "recommend_async", None)
         try:
-            results = await asyncio.to_thread(
-                self.engine.recommend,
-                [r.prompt for r in live],
-                beam_width=beam_width,
-                top_k=top_k,
-                num_results=[r.num_results for r in live],
-                exclude_item_ids=[r.exclude for r in live],
-            )
+            if launch is None:
+                results = await asyncio.to_thread(self.engine.recommend, *args, **kwargs)
+            else:  # launched, the batch runs while the loop forms and launches the next
+                pending = await asyncio.to_thread(launch, *args, **kwargs)
+                launched = time.perf_counter() - started
+                self._launch_seconds += LAUNCH_SMOOTHING * (launched - self._launch_seconds)
+                results = await asyncio.to_thread(pending.result)
         except asyncio.CancelledError:
             if self._closing:  # stop(): the loop itself is being cancelled
                 raise
@@ -423,8 +471,11 @@ class RequestBatcher:
         finished = time.perf_counter()
         if not isinstance(results, list) or len(results) != len(live):
             raise XgrError(f"expected {len(live)} results, got {type(results).__name__}")
+        # A batch launched behind another started on the device when that one finished.
+        ran = finished - max(started, self._last_finished)
+        self._last_finished = finished
         if any(r.recorded for r in live):  # the warm-up request's compile time is no measure
-            self.latency.observe(sum(self.cost(r) for r in live), finished - started)
+            self.latency.observe(sum(self.cost(r) for r in live), ran)
         for request, result in zip(live, results, strict=True):
             times = RequestTimes(
                 queue=started - request.arrived,

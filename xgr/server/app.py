@@ -85,9 +85,9 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         metrics,
         config.max_batch_tokens,
         config.max_queue,
-        # More batches in flight than the engine has lanes would only queue them in threads,
-        # past the scheduler's deadline checks.
-        min(config.streams, getattr(engine, "lanes", 1)),
+        # The engine's lanes: its streams (config.streams) x its pipeline depth. More
+        # batches in flight would only queue in threads, past the deadline checks.
+        getattr(engine, "lanes", 1),
         config.max_batch_ms,
     )
     state = {"ready": False, "started": int(time.time())}

@@ -21,7 +21,8 @@ class ServerConfig:
         max_body_bytes: largest request body accepted (larger: 413).
         max_batch_tokens: most scheduled tokens (prompt + beam width x levels) per call.
         max_queue: most requests waiting for a batch (more: 429).
-        streams: batches in flight at once (the engine needs as many ``cuda_streams``).
+        streams: CUDA streams the engine runs batches on side by side (its
+            ``cuda_streams``); each also queues a launched batch behind its running one.
         max_batch_ms: longest predicted run time of a batch of several requests (ms; None:
             no limit), so requests arriving meanwhile wait at most about that long for it.
     """
