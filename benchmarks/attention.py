@@ -10,8 +10,8 @@ parent vs reading through the ancestry index) and measures the GPU's copy bandwi
 bf16 matrix rate in the same run. Kernel times are device times per call from CUDA-graph
 replays (as the engine's decode runs); the "eager" column is the same call launched from
 Python, host launch cost included. ``--sweep`` times tile/split choices on two shapes;
-``--prefill`` times the packed causal prefill attention (one packed flash-attention launch
-vs SDPA per prompt).
+``--prefill`` times the packed causal prefill attention (one packed flash-attention launch,
+xgr's packed Triton kernel, and SDPA per prompt).
 
     python benchmarks/attention.py --output benchmarks/results/attention.json
 """
@@ -230,8 +230,10 @@ def sweep() -> list[dict]:
 
 
 def prefill(ceilings) -> list[dict]:
-    """Packed causal prefill attention per layer: one packed flash-attention launch vs SDPA per
-    prompt, each against the FLOP floor."""
+    """Packed causal prefill attention per layer: one packed flash-attention launch, xgr's
+    packed Triton kernel and SDPA per prompt, each against the FLOP floor."""
+    from xgr.kernels.triton_prefill_attention import packed_causal_attention
+
     rows = []
     for shape, length, requests in itertools.product(SHAPES, PROMPT_LENGTHS, REQUESTS):
         num_heads, num_kv_heads, head_dim = SHAPES[shape]
@@ -252,8 +254,15 @@ def prefill(ceilings) -> list[dict]:
             ),
             calls=2,
         )
+        triton_ms = bench(
+            lambda q=q, k=k, v=v, c=cu_dev, n=length, s=scale: packed_causal_attention(
+                q, k, v, c, n, s
+            ),
+            calls=2,
+        )
         ref = prefill_attention_reference(q.float(), k.float(), v.float(), cu, scale)
         out = prefill_attention(q, k, v, cu, scale, cu_dev, length, packed=True).float()
+        out_triton = packed_causal_attention(q, k, v, cu_dev, length, scale).float()
         flops = requests * 2 * length * length * num_heads * head_dim  # causal: half of 4LLHD
         floor_ms = 1e3 * flops / ceilings["bf16_matmul_flop_per_s"]
         rows.append(
@@ -262,14 +271,17 @@ def prefill(ceilings) -> list[dict]:
                 "prompt_len": length,
                 "requests": requests,
                 "packed_ms": ms,
+                "triton_packed_ms": triton_ms,
                 "sdpa_per_prompt_ms": per_prompt_ms,
                 "flops": flops,
                 "roofline_fraction": floor_ms / ms,
                 "rel_err": ((out - ref).norm() / ref.norm()).item(),
+                "triton_rel_err": ((out_triton - ref).norm() / ref.norm()).item(),
             }
         )
         print(
             f"prefill {shape:<13}{length:>6}{requests:>3} packed {ms * 1e3:8.1f} us"
+            f" triton {triton_ms * 1e3:8.1f} us (err {rows[-1]['triton_rel_err']:.1e})"
             f" per-prompt {per_prompt_ms * 1e3:8.1f} us"
             f" roofline {rows[-1]['roofline_fraction']:5.2f} err {rows[-1]['rel_err']:.1e}",
             flush=True,

@@ -9,6 +9,11 @@ Two implementations of one function:
   for several short prompts (8 x 1000 tokens: 179 vs 184 us for the Qwen3-1.7B shape, 115 vs
   134 us for Qwen2.5-0.5B), where each per-prompt grid is small; SDPA per prompt won for
   single prompts (1000 tokens: 22 vs 39 us) and for long ones (8 x 3000: 791 vs 997 us).
+
+A third, ``xgr.kernels.triton_prefill_attention.packed_causal_attention`` (one Triton launch
+over the packed prompts), is tested against the reference and timed by
+``benchmarks/attention.py --prefill``; it is not chosen here until it has been measured
+faster on the GPU.
 """
 
 from __future__ import annotations
