@@ -5,6 +5,7 @@
 #
 #   bash benchmarks/gpu_session.sh tests       # GPU-only tests (kernels, graphs, streams)
 #   bash benchmarks/gpu_session.sh attention   # decode attention table
+#   bash benchmarks/gpu_session.sh prefill     # prefill attention: flash varlen, Triton, SDPA
 #   bash benchmarks/gpu_session.sh e2e         # whole-request latency table + HF
 #   bash benchmarks/gpu_session.sh profile     # kernel time of one request (L=1000, 5000)
 #   bash benchmarks/gpu_session.sh t5          # T5 shapes: one request, xgr vs HF (+ profile)
@@ -18,14 +19,19 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/xgr-gpu}"
 mkdir -p "$OUT"
-case "${1:?phase: tests|attention|e2e|profile|t5|bf16|serving}" in
+case "${1:?phase: tests|attention|prefill|e2e|profile|t5|bf16|serving}" in
   tests)
     # fastapi/uvicorn are absent on the device machine: only the engine's tests run there.
     timeout 400 python3 -m pytest -q -rs tests/kernels tests/beam tests/engine/test_engine_cuda.py \
-      tests/engine/test_t5_hf_equivalence.py tests/models/test_fuse.py tests/models/test_t5.py 2>&1 | grep -v "^\.*$" | tail -30
+      tests/engine/test_t5_hf_equivalence.py tests/models/test_fuse.py tests/models/test_t5.py \
+      tests/scheduler 2>&1 | grep -v "^\.*$" | tail -30
     ;;
   attention)
     timeout 300 python3 benchmarks/attention.py --output "$OUT/attention.json" 2>&1 | tail -40
+    ;;
+  prefill)
+    timeout 300 python3 benchmarks/attention.py --prefill --output "$OUT/attention-prefill.json" \
+      2>&1 | tail -20
     ;;
   e2e)
     timeout 540 python3 benchmarks/e2e_latency.py --output "$OUT/e2e.json" 2>&1 | tail -46
