@@ -158,3 +158,5 @@ def test_qkv_heads_rejects_bad_arguments():
         kernels.qkv_heads(qkv, 2, 1, cos, sin, k, v, randn(16, dtype=torch.float32))
     with pytest.raises(ValueError, match="do not fit"):
         kernels.qkv_heads(qkv, 2, 1, cos[:2], sin[:2], k, v)
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.qkv_heads(qkv, 2, 1, cos, sin[:1], k, v)  # would read past sin's end

@@ -52,6 +52,18 @@ def test_minus_infinity_entries_and_rows():
     torch.testing.assert_close(got, expected(logits), rtol=1e-6, atol=2e-5)
 
 
+def test_infinite_and_nan_entries_give_what_torch_gives():
+    logits = torch.randn(3, 4100, device=DEVICE)
+    logits[0, 7] = float("inf")  # an overflowed logit: +inf, as torch.logsumexp
+    logits[1, 3000] = float("nan")
+    logits[2, 100] = float("inf")
+    logits[2, 101] = float("-inf")
+    got = kernels.row_logsumexp(logits)
+    assert got[0].item() == float("inf") and got[2].item() == float("inf")
+    assert torch.isnan(got[1])
+    torch.testing.assert_close(got, expected(logits), equal_nan=True)
+
+
 def test_strided_rows_and_writing_into_a_slice_of_a_wider_buffer():
     wide = torch.randn(5, 3000, device=DEVICE) * 3
     logits = wide[:, 100:2600]  # rows 3000 apart

@@ -550,3 +550,41 @@ def test_the_next_pipelined_batch_is_formed_when_the_running_one_is_nearly_done(
 
     asyncio.run(scenario())
     assert engine.batches == [[0], [1], [2, 3, 4, 5, 6]]
+
+
+class SideBySideEngine:
+    """Stands in for an engine with several streams: launched batches run side by side,
+    each ``seconds`` long, and report that as their device time."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def recommend_async(self, prompts, beam_width, top_k, num_results, exclude_item_ids):
+        end = time.perf_counter() + self.seconds
+        ms = self.seconds * 1e3
+
+        class Pending:
+            def result(self):
+                time.sleep(max(0.0, end - time.perf_counter()))
+                return [
+                    RecommendResult(prompt_tokens=len(p), prefill_ms=ms / 2, decode_ms=ms / 2)
+                    for p in prompts
+                ]
+
+        return Pending()
+
+
+def test_batches_finishing_together_on_several_streams_keep_their_measured_time():
+    # Two batches launched together end together; the second is not "0 s behind the first".
+    engine = SideBySideEngine(seconds=0.1)
+
+    async def scenario():
+        batcher = RequestBatcher(engine, max_batch_size=2, max_inflight=4)
+        batcher.start()
+        await run_concurrently(batcher, [request(i) for i in range(8)])
+        await batcher.stop()
+        return batcher
+
+    batcher = asyncio.run(scenario())
+    assert len(batcher.latency.rates) >= 4
+    assert batcher.latency.predict(22) >= 0.09  # two requests of 11 scheduled tokens

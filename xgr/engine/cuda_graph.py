@@ -93,8 +93,10 @@ class CaptureGate:
 
     A capture in progress breaks when another thread launches work meanwhile (seen on the
     H200: "operation failed due to a previous error during capture", and PyTorch's RNG
-    refusing an offset increment), so a capturing batch waits for the running ones to end
-    and holds the others back; new batches wait while a capture is pending (no starvation).
+    refusing an offset increment), so a capturing batch waits for the launches in progress
+    to end and holds new ones back (no starvation: they wait while a capture is pending);
+    work already queued on the device is waited for by the capture itself, which
+    synchronizes the device first.
     """
 
     def __init__(self) -> None:

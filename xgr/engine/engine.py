@@ -127,10 +127,13 @@ class Engine:
         pipeline_depth = positive_int("pipeline_depth", pipeline_depth)
         lanes = cuda_streams if cuda else 1
         self.graphs = CudaGraphs(model) if cuda_graphs and cuda else None
-        # Lanes run batches concurrently. One lane runs on the current stream; several each
-        # get a stream of their own. Lane 0 replays ``self.graphs``, the others their own.
+        # Streams run batches concurrently. One stream is the one current at construction,
+        # fixed, so that its batches queue in order whichever thread launches them; several
+        # are streams of their own. Lane 0 replays ``self.graphs``, the others their own.
         self._streams = (
-            [torch.cuda.Stream(self.device) for _ in range(lanes)] if lanes > 1 else [None]
+            [torch.cuda.Stream(self.device) for _ in range(lanes)]
+            if lanes > 1
+            else [torch.cuda.current_stream(self.device) if cuda else None]
         )
         self._lane_graphs = [CudaGraphs(model) if cuda_graphs else None for _ in range(lanes - 1)]
         self._gate = CaptureGate()  # a lane that captures a graph runs alone
@@ -345,21 +348,7 @@ class Engine:
             return PendingRecommendation(self, None, [], [], [], None)
         lane = self._take_lane()
         try:
-            stream = self._streams[lane]
-            graphs = self._lane_graphs[lane - 1] if lane else self.graphs
-            lens = [len(t) for t in tokenized]
-            alone = (
-                graphs is not None
-                and self.lanes > 1
-                and graphs.needs_capture(lens, search.beam_width, search.top_k)
-            )
-            with (
-                self._gate.exclusive() if alone else self._gate.shared(),
-                torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(),
-            ):
-                pending = launch_semantic_ids(
-                    self.decode_spec, tokenized, search.beam_width, search.top_k, graphs
-                )
+            pending = self._launch(lane, tokenized, search)
         except BaseException:
             self._lanes.put(lane)
             raise
@@ -370,6 +359,28 @@ class Engine:
             with self._lane_lock:
                 self._in_flight[id(launched)] = launched
         return launched
+
+    def _launch(self, lane: int, tokenized: list[list[int]], search: SearchParams):
+        """Queue a batch on a lane: alone (``CaptureGate.exclusive``) if it captures a graph,
+        else beside other launches. With several lanes, whether it captures is checked again
+        under the graphs' lock once the shared gate is held: another batch of the same lane
+        may have dropped graphs (a pool growth) since the first check."""
+        stream = self._streams[lane]
+        graphs = self._lane_graphs[lane - 1] if lane else self.graphs
+        shape = ([len(t) for t in tokenized], search.beam_width, search.top_k)
+        concurrent = graphs is not None and self.lanes > 1
+        alone = concurrent and graphs.needs_capture(*shape)
+        while True:
+            with (
+                self._gate.exclusive() if alone else self._gate.shared(),
+                torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(),
+                graphs.lock if concurrent else contextlib.nullcontext(),
+            ):
+                if alone or not concurrent or not graphs.needs_capture(*shape):
+                    return launch_semantic_ids(
+                        self.decode_spec, tokenized, search.beam_width, search.top_k, graphs
+                    )
+            alone = True
 
     def _take_lane(self) -> int:
         """A free lane; while there is none, batches whose device work has finished give
@@ -481,7 +492,7 @@ class PendingRecommendation:
     """A batch launched by ``Engine.recommend_async``: ``result()`` waits for it.
 
     Not made directly. ``result()`` may be called from another thread than the launch, and
-    more than once (the first call's outcome is kept).
+    more than once, from several threads (the first call's outcome is kept).
     """
 
     def __init__(
@@ -498,6 +509,7 @@ class PendingRecommendation:
         self._results: list[RecommendResult] | None = [] if pending is None else None
         self._error: BaseException | None = None
         self._released = pending is None
+        self._collecting = threading.Lock()  # one collect, whichever threads ask
 
     def result(self) -> list[RecommendResult]:
         """One ``RecommendResult`` per prompt, in order.
@@ -505,11 +517,12 @@ class PendingRecommendation:
         Raises:
             ModelOutputError: the model gave no finite log-probability for some prompt.
         """
-        if self._results is None and self._error is None:
-            try:
-                self._results = self._collect()
-            except BaseException as exc:
-                self._error = exc
+        with self._collecting:
+            if self._results is None and self._error is None:
+                try:
+                    self._results = self._collect()
+                except BaseException as exc:
+                    self._error = exc
         if self._error is not None:
             raise self._error
         return self._results

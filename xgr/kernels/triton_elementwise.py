@@ -318,8 +318,10 @@ def qkv_heads(
     kv_shape = (tokens, num_kv_heads, head_dim)
     if qkv.dim() != 2 or qkv.shape[1] != heads * head_dim or half < 1 or half & (half - 1):
         raise ValueError(f"qkv {tuple(qkv.shape)} does not hold {heads} power-of-two heads")
-    if qkv.stride(-1) != 1 or cos.shape != (tokens, head_dim) or sin.stride() != cos.stride():
-        raise ValueError(f"qkv and the tables {tuple(cos.shape)} do not fit")
+    if qkv.stride(-1) != 1 or cos.shape != (tokens, head_dim) or sin.shape != cos.shape:
+        raise ValueError(f"qkv and the tables {tuple(cos.shape)}, {tuple(sin.shape)} do not fit")
+    if sin.stride() != cos.stride() or sin.dtype != cos.dtype:
+        raise ValueError("cos and sin need the same strides and dtype")
     if cos.stride(-1) != 1:
         raise ValueError("the tables need a contiguous last dimension")
     for name, t in (("k_out", k_out), ("v_out", v_out)):

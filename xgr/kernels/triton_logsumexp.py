@@ -29,8 +29,9 @@ def _accumulate(row_ptr, c, end, run_max, run_sum, BLOCK: tl.constexpr):
     idx = c + tl.arange(0, BLOCK)
     x = tl.load(row_ptr + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
     new_max = tl.maximum(run_max, x)
-    # A lane that has seen only -inf keeps sum 0; shifting by 0 avoids -inf - -inf = nan.
-    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    # Shift by 0 where the max is infinite, as torch.logsumexp does: a lane that has seen
+    # only -inf keeps sum 0 (no -inf - -inf = nan), one that has seen +inf sums to +inf.
+    shift = tl.where(tl.abs(new_max) == float("inf"), 0.0, new_max)
     return new_max, run_sum * tl.exp(run_max - shift) + tl.exp(x - shift)
 
 
@@ -54,7 +55,7 @@ def _row_logsumexp_kernel(
             run_max, run_sum = _accumulate(X + row * stride_x, c, end, run_max, run_sum, BLOCK)
             c += BLOCK
     row_max = tl.max(run_max, 0)
-    shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+    shift = tl.where(tl.abs(row_max) == float("inf"), 0.0, row_max)
     total = tl.sum(run_sum * tl.exp(run_max - shift), 0)
     tl.store(OUT + row * stride_o + part, shift + tl.log(total))
 
@@ -111,7 +112,8 @@ def row_logsumexp(logits: torch.Tensor) -> torch.Tensor:
     Equals ``torch.logsumexp(logits.float(), dim=-1)`` up to float32 summation order.
 
     Returns:
-        (N,) float32; -inf for a row of only -inf (or V = 0).
+        (N,) float32; -inf for a row of only -inf (or V = 0), +inf for a row holding +inf
+        and no NaN, NaN for a row holding NaN.
     """
     rows, cols = logits.shape if logits.dim() == 2 else (None, None)
     if rows is not None and cols == 0:

@@ -106,8 +106,8 @@ def _prefill_attention_kernel(
                     m_i, l_i, acc, scale_log2, BLOCK_N, PRECISION, True,
                 )  # fmt: skip
                 kv += BLOCK_N
-        # Rows past the prompt's end saw only masked keys (l_i = 0): not stored.
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        # Every row saw key q_lo at least (l_i > 0); rows past the prompt's end are not stored.
+        out = acc / l_i[:, None]
         o_ptr = OUT + (start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :]
         tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=row_ok)
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,11 +44,10 @@ from xgr.scheduler.metrics import RequestTimes, ServingMetrics
 # Reported for every answered request: all semantic IDs have a fixed number of levels.
 FINISHED_REASON = "length"
 # Pipelined launches (see ``RequestBatcher._pace``): the next batch is formed this many
-# launch times plus a margin (s) before the device is predicted to be free; the launch time
-# is a running mean (this weight per batch) from a first guess.
+# launch times plus a margin (s) before the device is predicted to be free.
 LAUNCH_LEAD_FACTOR = 2.0
 LAUNCH_LEAD_MARGIN = 0.002
-LAUNCH_SMOOTHING = 0.2
+LAUNCH_WINDOW = 16  # recent launches whose median is the launch time
 DEFAULT_LAUNCH_SECONDS = 0.003
 
 
@@ -206,7 +206,7 @@ class RequestBatcher:
         # device, how long launching a batch takes the host, when the last batch finished,
         # and an event set whenever a batch finishes.
         self._device_free_at = 0.0
-        self._launch_seconds = DEFAULT_LAUNCH_SECONDS
+        self._launch_times: list[float] = []  # recent launches (s), newest last
         self._last_finished = 0.0
         self._progress: asyncio.Event | None = None
 
@@ -395,7 +395,7 @@ class RequestBatcher:
         batches side by side finish sooner than this sequential prediction; it then only
         delays forming."""
         while self._batches:
-            lead = LAUNCH_LEAD_FACTOR * self._launch_seconds + LAUNCH_LEAD_MARGIN
+            lead = LAUNCH_LEAD_FACTOR * self._launch_seconds() + LAUNCH_LEAD_MARGIN
             wait = self._device_free_at - lead - time.perf_counter()
             if wait <= 0:
                 return
@@ -404,6 +404,13 @@ class RequestBatcher:
                 await asyncio.wait_for(self._progress.wait(), wait)
             except TimeoutError:
                 return
+
+    def _launch_seconds(self) -> float:
+        """Typical launch time: the median of the recent ones (a launch that captured a
+        graph or waited for a lane is an outlier, not the rule)."""
+        if not self._launch_times:
+            return DEFAULT_LAUNCH_SECONDS
+        return statistics.median(self._launch_times)
 
     async def _run_safely(self, batch: list[QueuedRequest], slots: asyncio.Semaphore) -> None:
         """Run one batch; whatever goes wrong fails its own requests, never the loop.
@@ -452,8 +459,9 @@ class RequestBatcher:
                 results = await asyncio.to_thread(self.engine.recommend, *args, **kwargs)
             else:  # launched, the batch runs while the loop forms and launches the next
                 pending = await asyncio.to_thread(launch, *args, **kwargs)
-                launched = time.perf_counter() - started
-                self._launch_seconds += LAUNCH_SMOOTHING * (launched - self._launch_seconds)
+                if any(r.recorded for r in live):  # not the warm-up request's compile
+                    self._launch_times.append(time.perf_counter() - started)
+                    del self._launch_times[:-LAUNCH_WINDOW]
                 results = await asyncio.to_thread(pending.result)
         except asyncio.CancelledError:
             if self._closing:  # stop(): the loop itself is being cancelled
@@ -471,14 +479,15 @@ class RequestBatcher:
         finished = time.perf_counter()
         if not isinstance(results, list) or len(results) != len(live):
             raise XgrError(f"expected {len(live)} results, got {type(results).__name__}")
-        # A batch launched behind another started on the device when that one finished.
-        ran = finished - max(started, self._last_finished)
-        self._last_finished = finished
+        ran = self._run_seconds(started, finished, results)
         if any(r.recorded for r in live):  # the warm-up request's compile time is no measure
             self.latency.observe(sum(self.cost(r) for r in live), ran)
         for request, result in zip(live, results, strict=True):
+            device = (result.prefill_ms + result.decode_ms) / 1e3
             times = RequestTimes(
-                queue=started - request.arrived,
+                # Until its batch's device work began (a launched batch may first wait for
+                # the one ahead of it on the stream).
+                queue=max(started - request.arrived, finished - request.arrived - device),
                 prefill=result.prefill_ms / 1e3,
                 decode=result.decode_ms / 1e3,
                 e2e=finished - request.arrived,
@@ -488,6 +497,16 @@ class RequestBatcher:
             if self.metrics and request.recorded:
                 self.metrics.observe_request(times, result.prompt_tokens, FINISHED_REASON)
             request.future.set_result(Answer(result, times))
+
+    def _run_seconds(self, started: float, finished: float, results: list) -> float:
+        """How long a batch took, for the latency model: from its launch, less the time it
+        queued on the device behind the batch finished before it, but never less than the
+        device time the engine measured (batches on other streams run side by side, so the
+        one finished before need not have been ahead of it)."""
+        behind = finished - max(started, self._last_finished)
+        self._last_finished = finished
+        device = sum(getattr(results[0], name, 0.0) for name in ("prefill_ms", "decode_ms"))
+        return min(finished - started, max(behind, device / 1e3)) if results else behind
 
     def _report_load(self) -> None:
         if self.metrics:
