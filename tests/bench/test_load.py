@@ -51,6 +51,15 @@ def test_summary_percentiles_throughput_and_errors():
     assert summarize("rate", 1.0, [Sample(0, 1, "503")]).p99_ms is None
 
 
+def test_a_sparse_level_counts_throughput_over_its_whole_window():
+    # One request answered in 37 ms during a 4 s level: 0.25 req/s, not 1 / 37 ms.
+    point = summarize("rate", 0.5, [Sample(1.2, 0.037, "ok")], window_s=4.0)
+    assert point.duration_s == 4.0 and point.throughput == pytest.approx(0.25)
+    # A level whose answers end after its window is counted to its last answer.
+    late = summarize("rate", 10.0, [Sample(0.0, 0.5, "ok"), Sample(0.9, 0.6, "ok")], 1.0)
+    assert late.duration_s == pytest.approx(1.5)
+
+
 def test_open_loop_follows_the_poisson_schedule_without_waiting_for_answers():
     service = FakeService(delay=0.2)
     rate, duration, seed = 80.0, 0.5, 3

@@ -41,7 +41,8 @@ class LoadPoint:
     Attributes:
         mode: "rate" (open-loop Poisson) or "concurrency".
         load: offered rate (requests/s) or number of concurrent clients.
-        duration_s: time from the first request's start to the last one's end.
+        duration_s: the level's sending window, or, when longer, the time from the first
+            request's start to the last one's end (s).
         requests: requests sent. ok: answered successfully.
         throughput: successful answers per second over duration_s.
         p50_ms, p95_ms, p99_ms: latency percentiles of the successful requests (ms); None
@@ -61,8 +62,12 @@ class LoadPoint:
     errors: dict[str, int]
 
 
-def summarize(mode: str, load: float, samples: list[Sample]) -> LoadPoint:
+def summarize(mode: str, load: float, samples: list[Sample], window_s: float = 0.0) -> LoadPoint:
     """Percentiles, throughput and error counts of one load level's samples.
+
+    Args:
+        window_s: how long the level sent requests (s). Throughput is counted over at least
+            that: a sparse level (one request in a 4 s window) is not its latency's inverse.
 
     Raises:
         XgrError: no samples.
@@ -71,7 +76,7 @@ def summarize(mode: str, load: float, samples: list[Sample]) -> LoadPoint:
         raise XgrError("no requests were sent")
     begin = min(s.start for s in samples)
     end = max(s.start + s.latency for s in samples)
-    duration = max(end - begin, 1e-9)
+    duration = max(end - begin, window_s, 1e-9)
     ok = [s.latency * 1e3 for s in samples if s.outcome == "ok"]
     errors: dict[str, int] = {}
     for s in samples:

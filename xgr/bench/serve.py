@@ -121,7 +121,7 @@ async def run_levels(
                 samples = await open_loop(send, histories, load, duration, seed, bar.update)
             else:
                 samples = await fixed_concurrency(send, histories, int(load), duration, bar.update)
-        points.append(summarize(mode, load, samples))
+        points.append(summarize(mode, load, samples, duration))
     return points
 
 
