@@ -206,6 +206,7 @@ class RequestBatcher:
         # device, how long launching a batch takes the host, when the last batch finished,
         # and an event set whenever a batch finishes.
         self._device_free_at = 0.0
+        self._predicted_end: dict[int, float] = {}  # id(batch) -> when it should end
         self._launch_times: list[float] = []  # recent launches (s), newest last
         self._last_finished = 0.0
         self._progress: asyncio.Event | None = None
@@ -381,6 +382,7 @@ class RequestBatcher:
                 self._slots.release()
                 continue
             self._batches.append(batch)
+            self._predicted_end[id(batch)] = self._device_free_at
             run = asyncio.get_running_loop().create_task(self._run_safely(batch, self._slots))
             self._runs.add(run)
             run.add_done_callback(self._runs.discard)
@@ -431,8 +433,11 @@ class RequestBatcher:
                     request.future.set_exception(ShuttingDownError("the server is shutting down"))
             if batch in self._batches:
                 self._batches.remove(batch)
+            predicted, now = self._predicted_end.pop(id(batch), None), time.perf_counter()
             if not self._batches:
-                self._device_free_at = time.perf_counter()
+                self._device_free_at = now
+            elif predicted is not None:  # the batches behind it start that much sooner or later
+                self._device_free_at = max(now, self._device_free_at + now - predicted)
             if self._progress is not None:
                 self._progress.set()
             slots.release()
