@@ -15,7 +15,7 @@ from tests.conftest import (
     write_random_model,
 )
 from xgr import Engine, ItemCatalog, XgrError
-from xgr.core import ModelOutputError
+from xgr.core import ModelOutputError, RecommendResult
 
 OFFSET = 8
 
@@ -409,3 +409,62 @@ def test_warm_up_checks_arguments_and_captures_nothing_on_the_cpu(model_dirs):
     assert engine.warm_up(engine.max_prompt_tokens, 8, 8, 1) == 0
     with pytest.raises(XgrError, match=f"{engine.max_prompt_tokens + 1} tokens exceed"):
         engine.warm_up(engine.max_prompt_tokens + 1, 8, 8, 1)  # ... the length itself not
+
+
+def test_a_batch_whose_graphs_were_dropped_after_its_check_captures_alone(model_dirs, monkeypatch):
+    """Two batches of one lane (pipeline depth 2): X finds its graph, then Y, capturing
+    alone, grows the pool and drops every graph before X launches. X must then capture
+    alone too (the check is repeated under the graphs' lock), never beside other launches.
+    Graphs and launches are stand-ins recording the gate's state."""
+    import queue
+    import threading
+
+    import xgr.engine.engine as engine_module
+    from xgr.engine.generate import PendingGeneration
+
+    engine = make_engine(model_dirs, random_catalog(50, 3, 16, seed=17))
+    x_checked, y_dropped = threading.Event(), threading.Event()
+    captures = []
+
+    class StandInGraphs:
+        def __init__(self):
+            self.lock, self.shapes, self.x_checks = threading.RLock(), {1}, 0
+
+        def needs_capture(self, lens, beam_width, top_k):
+            missing = len(lens) not in self.shapes
+            if threading.current_thread().name == "X" and self.x_checks == 0:
+                self.x_checks += 1
+                x_checked.set()
+                y_dropped.wait(5)  # Y's pool growth happens right after this check
+            return missing
+
+    def launch(spec, prompts, beam_width, top_k, graphs):
+        with graphs.lock:
+            if threading.current_thread().name == "Y":
+                graphs.shapes = set()  # the pool grew: every graph dropped
+            if len(prompts) not in graphs.shapes:
+                captures.append((threading.current_thread().name, engine._gate._capturing))
+                graphs.shapes.add(len(prompts))
+            if threading.current_thread().name == "Y":
+                y_dropped.set()
+        empty = torch.zeros(len(prompts), beam_width, dtype=torch.int64)
+        return PendingGeneration(empty, empty.float())
+
+    monkeypatch.setattr(engine_module, "launch_semantic_ids", launch)
+    engine.graphs, engine._lane_graphs = StandInGraphs(), [StandInGraphs()]
+    engine._streams, engine._depth = [None, None], 2
+    engine._lanes = queue.SimpleQueue()
+    for lane in (0, 0, 1, 1):
+        engine._lanes.put(lane)
+    monkeypatch.setattr(engine, "_result", lambda *args: RecommendResult())
+    x = threading.Thread(name="X", target=lambda: engine.recommend_async([[5]], 4, 4, 1))
+    y = threading.Thread(
+        name="Y",
+        target=lambda: (x_checked.wait(5), engine.recommend_async([[5, 6], [7, 8]], 4, 4, 1)),
+    )
+    for thread in (x, y):
+        thread.start()
+    for thread in (x, y):
+        thread.join(10)
+    assert not x.is_alive() and not y.is_alive()
+    assert sorted(captures) == [("X", True), ("Y", True)]  # both captured alone
