@@ -510,8 +510,10 @@ class RequestBatcher:
         one finished before need not have been ahead of it)."""
         behind = finished - max(started, self._last_finished)
         self._last_finished = finished
+        if not results:
+            return behind
         device = sum(getattr(results[0], name, 0.0) for name in ("prefill_ms", "decode_ms"))
-        return min(finished - started, max(behind, device / 1e3)) if results else behind
+        return min(finished - started, max(behind, device / 1e3))
 
     def _report_load(self) -> None:
         if self.metrics:
