@@ -115,7 +115,5 @@ def row_logsumexp(logits: torch.Tensor) -> torch.Tensor:
         (N,) float32; -inf for a row of only -inf (or V = 0), +inf for a row holding +inf
         and no NaN, NaN for a row holding NaN.
     """
-    rows, cols = logits.shape if logits.dim() == 2 else (None, None)
-    if rows is not None and cols == 0:
-        return torch.full((rows,), float("-inf"), dtype=torch.float32, device=logits.device)
+    # V = 0 gives (N, 0) partials, whose log-sum-exp is -inf.
     return torch.logsumexp(row_logsumexp_partials(logits), dim=1)
