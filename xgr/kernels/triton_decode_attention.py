@@ -44,11 +44,15 @@ def _attend_prompt_tile(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     MASK: tl.constexpr,
+    rows,
+    CAUSAL: tl.constexpr,
 ):
     """One online-softmax update of all rows with prompt tokens kv .. kv + BLOCK_N.
 
     MASK: the tile may run past ``end`` (only a split's last tile); full tiles skip the
     bounds checks, which otherwise cost a select per score in the inner loop.
+    CAUSAL (with MASK): also mask each key after its query row, ``rows`` being the rows'
+    token positions (the diagonal tiles of ``triton_prefill_attention``); unread otherwise.
     """
     offs = kv + tl.arange(0, BLOCK_N)
     kv_off = offs[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
@@ -58,7 +62,9 @@ def _attend_prompt_tile(
     else:
         k = tl.load(K + kv_off)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    if MASK:
+    if CAUSAL:
+        s = tl.where((offs[None, :] <= rows[:, None]) & ok[None, :], s, float("-inf"))
+    elif MASK:
         s = tl.where(ok[None, :], s, float("-inf"))
     # Scale after the row max so exp2's argument is one fused multiply-add per score.
     m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
@@ -131,20 +137,20 @@ def _beam_decode_attention_kernel(
             for kv in range(lo, full, BLOCK_N):
                 m_i, l_i, acc = _attend_prompt_tile(
                     q, K, V, kv, hi, kv_head, stride_kt, stride_kh, d, m_i, l_i, acc,
-                    scale_log2, BLOCK_N, PRECISION, False,
+                    scale_log2, BLOCK_N, PRECISION, False, 0, False,
                 )  # fmt: skip
         else:  # Triton's interpreter cannot take loaded values as range() bounds
             kv = lo
             while kv < full:
                 m_i, l_i, acc = _attend_prompt_tile(
                     q, K, V, kv, hi, kv_head, stride_kt, stride_kh, d, m_i, l_i, acc,
-                    scale_log2, BLOCK_N, PRECISION, False,
+                    scale_log2, BLOCK_N, PRECISION, False, 0, False,
                 )  # fmt: skip
                 kv += BLOCK_N
         if full < hi:
             m_i, l_i, acc = _attend_prompt_tile(
                 q, K, V, full, hi, kv_head, stride_kt, stride_kh, d, m_i, l_i, acc,
-                scale_log2, BLOCK_N, PRECISION, True,
+                scale_log2, BLOCK_N, PRECISION, True, 0, False,
             )  # fmt: skip
     else:
         # Merge the splits (split 0 always holds tokens: every prompt has at least one).

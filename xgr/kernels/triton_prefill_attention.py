@@ -6,10 +6,12 @@ tiles wholly before the block's first row need no mask, and only the tiles on th
 apply the causal mask. Prompts are found through device offsets, so one launch (and one
 CUDA graph) serves any set of lengths up to ``max_seqlen``; blocks past a prompt's end
 return at once. Query blocks are launched longest first (the last blocks of a prompt attend
-to the most keys), so the short ones fill the tail of the grid.
+to the most keys), so the short ones fill the tail of the grid. Each tile's update is the
+decode kernel's (``triton_decode_attention._attend_prompt_tile``, in its causal mode on the
+diagonal).
 
 The reference is ``xgr.kernels.prefill_attention.prefill_attention_reference`` (PyTorch SDPA
-per prompt); ``prefill_attention`` chooses among the implementations by measurement.
+per prompt); ``prefill_attention`` does not choose this kernel until it is measured faster.
 """
 
 from __future__ import annotations
@@ -18,39 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+from xgr.kernels.triton_decode_attention import LOG2E, _attend_prompt_tile
+
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
-
-
-@triton.jit
-def _attend_tile(
-    q, K, V, kv, rows, end, kv_head, stride_kt, stride_kh, d, m_i, l_i, acc, scale_log2,
-    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
-):  # fmt: skip
-    """One online-softmax update with keys kv .. kv + BLOCK_N of the prompt (its own offsets).
-
-    CAUSAL: mask keys after each row and past ``end``; otherwise the tile is wholly inside
-    every row's causal window (no select per score).
-    """
-    offs = kv + tl.arange(0, BLOCK_N)
-    kv_off = offs[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
-    if CAUSAL:
-        k = tl.load(K + kv_off, mask=(offs < end)[:, None], other=0.0)
-    else:
-        k = tl.load(K + kv_off)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    if CAUSAL:
-        s = tl.where((offs[None, :] <= rows[:, None]) & (offs < end)[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
-    p = tl.exp2(s * scale_log2 - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if CAUSAL:
-        v = tl.load(V + kv_off, mask=(offs < end)[:, None], other=0.0)
-    else:
-        v = tl.load(V + kv_off)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-    return m_new, l_i, acc
 
 
 @triton.jit
@@ -83,27 +55,27 @@ def _prefill_attention_kernel(
         diagonal_end = tl.minimum(q_lo + BLOCK_M, length)
         if FOR_LOOP:  # compiled: for loops are software-pipelined
             for kv in range(0, q_lo, BLOCK_N):
-                m_i, l_i, acc = _attend_tile(
-                    q, K_seq, V_seq, kv, rows, length, kv_head, stride_kt, stride_kh, d,
-                    m_i, l_i, acc, scale_log2, BLOCK_N, PRECISION, False,
+                m_i, l_i, acc = _attend_prompt_tile(
+                    q, K_seq, V_seq, kv, length, kv_head, stride_kt, stride_kh, d,
+                    m_i, l_i, acc, scale_log2, BLOCK_N, PRECISION, False, rows, False,
                 )  # fmt: skip
             for kv in range(q_lo, diagonal_end, BLOCK_N):
-                m_i, l_i, acc = _attend_tile(
-                    q, K_seq, V_seq, kv, rows, length, kv_head, stride_kt, stride_kh, d,
-                    m_i, l_i, acc, scale_log2, BLOCK_N, PRECISION, True,
+                m_i, l_i, acc = _attend_prompt_tile(
+                    q, K_seq, V_seq, kv, length, kv_head, stride_kt, stride_kh, d,
+                    m_i, l_i, acc, scale_log2, BLOCK_N, PRECISION, True, rows, True,
                 )  # fmt: skip
         else:  # Triton's interpreter takes no tensor bounds in range()
             kv = 0
             while kv < q_lo:
-                m_i, l_i, acc = _attend_tile(
-                    q, K_seq, V_seq, kv, rows, length, kv_head, stride_kt, stride_kh, d,
-                    m_i, l_i, acc, scale_log2, BLOCK_N, PRECISION, False,
+                m_i, l_i, acc = _attend_prompt_tile(
+                    q, K_seq, V_seq, kv, length, kv_head, stride_kt, stride_kh, d,
+                    m_i, l_i, acc, scale_log2, BLOCK_N, PRECISION, False, rows, False,
                 )  # fmt: skip
                 kv += BLOCK_N
             while kv < diagonal_end:
-                m_i, l_i, acc = _attend_tile(
-                    q, K_seq, V_seq, kv, rows, length, kv_head, stride_kt, stride_kh, d,
-                    m_i, l_i, acc, scale_log2, BLOCK_N, PRECISION, True,
+                m_i, l_i, acc = _attend_prompt_tile(
+                    q, K_seq, V_seq, kv, length, kv_head, stride_kt, stride_kh, d,
+                    m_i, l_i, acc, scale_log2, BLOCK_N, PRECISION, True, rows, True,
                 )  # fmt: skip
                 kv += BLOCK_N
         # Every row saw key q_lo at least (l_i > 0); rows past the prompt's end are not stored.
