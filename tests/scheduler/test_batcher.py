@@ -483,12 +483,14 @@ def test_a_restarted_scheduler_keeps_its_in_flight_limit():
 
 
 class PipelinedEngine:
-    """Stands in for a one-stream engine with ``recommend_async``: a launch returns at once
-    and the simulated device runs the launched batches one after another, ``seconds`` each.
+    """Stands in for an engine with ``recommend_async``: a launch returns at once, each batch
+    runs ``seconds`` on the simulated device and reports that as its device time. One stream
+    runs the launched batches one after another; ``side_by_side`` (several streams) runs
+    each as soon as it is launched.
     """
 
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
+    def __init__(self, seconds: float, side_by_side: bool = False) -> None:
+        self.seconds, self.side_by_side = seconds, side_by_side
         self.lock = threading.Lock()
         self.free_at = 0.0
         self.batches: list[list[int]] = []  # first token of each prompt, per launch
@@ -496,19 +498,23 @@ class PipelinedEngine:
 
     def recommend_async(self, prompts, beam_width, top_k, num_results, exclude_item_ids):
         with self.lock:
-            end = max(time.perf_counter(), self.free_at) + self.seconds
+            now = time.perf_counter()
+            end = (now if self.side_by_side else max(now, self.free_at)) + self.seconds
             self.free_at = end
             self.batches.append([p[0] for p in prompts])
             self.in_flight += 1
             self.most_in_flight = max(self.most_in_flight, self.in_flight)
-        engine = self
+        engine, ms = self, self.seconds * 1e3
 
         class Pending:
             def result(self):
                 time.sleep(max(0.0, end - time.perf_counter()))
                 with engine.lock:
                     engine.in_flight -= 1
-                return [RecommendResult(prompt_tokens=len(p)) for p in prompts]
+                return [
+                    RecommendResult(prompt_tokens=len(p), prefill_ms=ms / 2, decode_ms=ms / 2)
+                    for p in prompts
+                ]
 
         return Pending()
 
@@ -552,31 +558,9 @@ def test_the_next_pipelined_batch_is_formed_when_the_running_one_is_nearly_done(
     assert engine.batches == [[0], [1], [2, 3, 4, 5, 6]]
 
 
-class SideBySideEngine:
-    """Stands in for an engine with several streams: launched batches run side by side,
-    each ``seconds`` long, and report that as their device time."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-
-    def recommend_async(self, prompts, beam_width, top_k, num_results, exclude_item_ids):
-        end = time.perf_counter() + self.seconds
-        ms = self.seconds * 1e3
-
-        class Pending:
-            def result(self):
-                time.sleep(max(0.0, end - time.perf_counter()))
-                return [
-                    RecommendResult(prompt_tokens=len(p), prefill_ms=ms / 2, decode_ms=ms / 2)
-                    for p in prompts
-                ]
-
-        return Pending()
-
-
 def test_batches_finishing_together_on_several_streams_keep_their_measured_time():
     # Two batches launched together end together; the second is not "0 s behind the first".
-    engine = SideBySideEngine(seconds=0.1)
+    engine = PipelinedEngine(seconds=0.1, side_by_side=True)
 
     async def scenario():
         batcher = RequestBatcher(engine, max_batch_size=2, max_inflight=4)
