@@ -12,7 +12,7 @@ from xgr.kernels.prefill_attention import prefill_attention
 from xgr.kv import BeamKV, SharedKV
 from xgr.layers.linear import concat_linears
 from xgr.layers.norm import RMSNorm, rms_norm_reference
-from xgr.layers.rotary import apply_rope, apply_rope_reference
+from xgr.layers.rotary import apply_rope_reference
 
 
 @dataclass
@@ -112,19 +112,13 @@ class Attention(nn.Module):
         else:
             slot = meta.beam.length
             k, v = meta.beam.k[layer, :, slot], meta.beam.v[layer, :, slot]
-        if self.qkv_proj is not None:
-            norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
-            eps = self.q_norm.eps if self.qk_norm else 0.0
-            q = qkv_heads(self.qkv_proj(x), self.num_heads, self.num_kv_heads, cos, sin, k, v,
-                          *norms, eps)  # fmt: skip
-        else:
-            q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-            k_new = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-            if self.qk_norm:
-                q, k_new = self.q_norm(q), self.k_norm(k_new)
-            k.copy_(apply_rope(k_new, cos, sin))
-            v.copy_(self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim))
-            q = apply_rope(q, cos, sin)
+        if self.qkv_proj is not None:  # one GEMM
+            qkv = self.qkv_proj(x)
+        else:  # the HF-named projections, before fuse_projections
+            qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=1)
+        norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+        eps = self.q_norm.eps if self.qk_norm else 0.0
+        q = qkv_heads(qkv, self.num_heads, self.num_kv_heads, cos, sin, k, v, *norms, eps)
         if isinstance(meta, PrefillMetadata):
             out = prefill_attention(
                 q, k, v, meta.cu_seqlens, self.scale, meta.cu_seqlens_device, meta.max_seqlen,
