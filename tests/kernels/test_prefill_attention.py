@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from xgr.kernels.prefill_attention import (
+    packed_available,
     prefill_attention,
     prefill_attention_reference,
-    varlen_available,
 )
 
 
@@ -96,28 +96,26 @@ def test_prefill_low_precision(dtype, rtol):
 
 def test_prefill_attention_falls_back_to_the_reference_on_cpu():
     q, k, v, cu = packed_inputs([3, 7], 4, 2, 16)
-    assert not varlen_available(q)
-    with pytest.raises(ValueError, match="packed flash attention needs CUDA"):
+    assert not packed_available(q)
+    with pytest.raises(ValueError, match="packed prefill attention needs CUDA"):
         prefill_attention(q, k, v, cu, 0.25, packed=True)
     torch.testing.assert_close(
         prefill_attention(q, k, v, cu, 0.25), prefill_attention_reference(q, k, v, cu, 0.25)
     )
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="packed flash attention needs CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the packed launch needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim"), [(16, 8, 128), (14, 2, 64), (4, 4, 64)], ids=str
 )
-def test_packed_flash_prefill_matches_the_reference_on_gpu(
-    num_heads, num_kv_heads, head_dim, dtype
-):
+def test_packed_prefill_matches_the_reference_on_gpu(num_heads, num_kv_heads, head_dim, dtype):
     lengths = torch.randint(1, 700, (5,)).tolist() + [1, 1000]
     q, k, v, cu = (
         t.cuda() if isinstance(t, torch.Tensor) else t
         for t in packed_inputs(lengths, num_heads, num_kv_heads, head_dim, dtype)
     )
-    assert varlen_available(q)
+    assert packed_available(q)
     scale = head_dim**-0.5
     cu_dev = torch.tensor(cu, dtype=torch.int32, device="cuda")
     out = prefill_attention(q, k, v, cu, scale, cu_dev, max(lengths), packed=True)

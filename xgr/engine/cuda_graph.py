@@ -10,7 +10,7 @@ with no host involvement:
   at most 1/8 of a prefill is padding), so prompts of any lengths with the same total reuse
   one graph. Padding tokens form their own sequences: with one request a causal attention
   over the whole buffer leaves the real tokens' results unchanged (padding comes last);
-  with several, packed flash attention keeps sequences apart by their device offsets, and
+  with several, the packed attention launch keeps sequences apart by their device offsets, and
   the requests a batch lacks (up to ``max_requests``) stand in as sequences of the
   padding, so one graph serves every batch size: under load the set of graphs stays
   small (a graph per (requests, bucket) pair thrashed the cache and captured per batch).
@@ -187,7 +187,7 @@ class CudaGraphs:
     def prefill_accepts(self, inputs) -> bool:
         """Whether a batch's prefill replays a graph (else: eager, logged).
 
-        Several requests need packed flash attention (fp16/bf16) to share one padded buffer;
+        Several requests need the packed attention launch (fp16/bf16) to share one padded buffer;
         a float32 batch of several requests prefills eagerly (without a log line: expected).
         """
         if self.prefill_key(inputs.seqlens) is not None:
@@ -265,7 +265,7 @@ class CudaGraphs:
             last = torch.zeros(slots, dtype=torch.int64, device=device)
             shared = SharedKV(self._pool_k, self._pool_v, cu, [])
             # One request: a causal pass over the whole buffer (padding last changes nothing
-            # before it); several: packed flash attention keeps the sequences apart.
+            # before it); several: the packed attention launch keeps the sequences apart.
             meta = PrefillMetadata(shared, [0, padded], cu, max_seqlen, packed=num > 1)
 
             def run():
@@ -340,7 +340,7 @@ class CudaGraphs:
 
     def _eager_kind(self, num_requests: int) -> bool:
         """Prefills that never replay a graph, whatever their size: several float32 prompts
-        of a decoder-only model (packed flash attention needs fp16/bf16 to share one padded
+        of a decoder-only model (the packed attention launch needs fp16/bf16 to share one padded
         buffer; an encoder pads each prompt to its own slot and needs no such kernel)."""
         float32 = self.model.lm_head.weight.dtype == torch.float32
         return not self.model.is_encoder_decoder and num_requests > 1 and float32

@@ -69,7 +69,7 @@ class BatchInputs:
         last_index: (R,) int64 packed index of each prompt's last token.
         prompt_lens: (R,) int64 prompt lengths (tokens).
         cu_seqlens: (R + 1,) int64 prompt offsets.
-        cu_seqlens_int32: (R + 1,) int32 prompt offsets (packed flash attention).
+        cu_seqlens_int32: (R + 1,) int32 prompt offsets (the packed attention launch).
         cu_seqlens_host: the same offsets as host ints.
         max_seqlen: the longest prompt (tokens).
     """

@@ -3,43 +3,26 @@
 Two implementations of one function:
 
 - ``prefill_attention_reference``: PyTorch SDPA once per prompt (any device and dtype);
-- ``prefill_attention``: picks between the reference and one launch of PyTorch's packed
-  variable-length flash attention (``torch.nn.attention.varlen.varlen_attn``) by measurement.
-  On an H200 (benchmarks/attention.py --prefill, bf16, per layer) the packed launch won only
-  for several short prompts (8 x 1000 tokens: 179 vs 184 us for the Qwen3-1.7B shape, 115 vs
-  134 us for Qwen2.5-0.5B), where each per-prompt grid is small; SDPA per prompt won for
-  single prompts (1000 tokens: 22 vs 39 us) and for long ones (8 x 3000: 791 vs 997 us).
+- ``prefill_attention``: picks between the reference and one launch of xgr's packed Triton
+  kernel (``xgr.kernels.triton_prefill_attention.packed_causal_attention``) by measurement.
 
-A third, ``xgr.kernels.triton_prefill_attention.packed_causal_attention`` (one Triton launch
-over the packed prompts), is tested against the reference and timed by
-``benchmarks/attention.py --prefill``; it is not chosen here until it has been measured
-faster on the GPU.
+On an H200 (``benchmarks/attention.py --prefill``, bf16, per layer,
+``results/attention-prefill-triton-2026-11-29-h200.json``) the Triton kernel beat PyTorch's
+packed variable-length flash attention (FA2) at every size (8 x 1000 tokens: 153 vs 180 us
+for the Qwen3-1.7B shape, 66 vs 115 us for Qwen2.5-0.5B; 5000 tokens: 343 vs 436 us), so
+FA2 is no longer used. SDPA per prompt (cuDNN) still wins for one prompt (1000 tokens: 23
+vs 26 us; 5000: 224 vs 343 us) and for several long ones of the Qwen3-1.7B shape (8 x 3000:
+792 vs 919 us), so the packed launch is preferred for several prompts of at most
+``PACKED_MAX_SEQLEN`` tokens. The CUDA graphs of several requests always take the packed
+launch: their prompt lengths are device tensors.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
-
 import torch
 import torch.nn.functional as F
 
-
-@functools.cache
-def _varlen():
-    """PyTorch's packed flash attention and its keyword names, or (None, {}) if absent.
-
-    Imported on first use: the module imports Triton, which must not happen before a test
-    process selects Triton's CPU interpreter.
-    """
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:  # an older PyTorch: the reference path only
-        return None, set()
-    return varlen_attn, set(inspect.signature(varlen_attn).parameters)
-
-
-# The packed launch is used for batches of prompts at most this long (tokens).
+# The packed launch is preferred for batches of prompts at most this long (tokens).
 PACKED_MAX_SEQLEN = 1024
 
 
@@ -66,16 +49,14 @@ def prefill_attention_reference(
     return out
 
 
-def varlen_available(q: torch.Tensor) -> bool:
-    """Whether PyTorch's packed flash attention can run on q (CUDA, fp16/bf16)."""
-    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
-        return False
-    return _varlen()[0] is not None
+def packed_available(q: torch.Tensor) -> bool:
+    """Whether the packed Triton launch can run on q (CUDA, fp16/bf16)."""
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
 
 
 def prefer_packed(q: torch.Tensor, num_prompts: int, max_seqlen: int) -> bool:
-    """The measured choice: packed flash attention for several short prompts, else SDPA."""
-    return varlen_available(q) and num_prompts > 1 and max_seqlen <= PACKED_MAX_SEQLEN
+    """The measured choice: the packed launch for several short prompts, else SDPA."""
+    return packed_available(q) and num_prompts > 1 and max_seqlen <= PACKED_MAX_SEQLEN
 
 
 def prefill_attention(
@@ -94,33 +75,27 @@ def prefill_attention(
         q, k, v, cu_seqlens, scale: as in ``prefill_attention_reference``.
         cu_seqlens_device: (R + 1,) int32 copy of cu_seqlens on q's device; made here if None
             (a host-to-device copy, which callers on the graph path avoid by passing it).
-        max_seqlen: the longest prompt (tokens); computed from cu_seqlens if None.
+        max_seqlen: a bound on the longest prompt (tokens), at least the longest; computed
+            from cu_seqlens if None.
         packed: force (True) or forbid (False) the packed launch; None: ``prefer_packed``.
 
     Returns:
         (total_tokens, num_heads, head_dim) in q's dtype.
 
     Raises:
-        ValueError: packed=True where packed flash attention cannot run.
+        ValueError: packed=True where the packed launch cannot run (off CUDA, float32).
     """
     if max_seqlen is None:
         max_seqlen = max(b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True))
     if packed is None:
         packed = prefer_packed(q, len(cu_seqlens) - 1, max_seqlen)
-    elif packed and not varlen_available(q):
-        raise ValueError(f"packed flash attention needs CUDA fp16/bf16, got {q.device} {q.dtype}")
+    elif packed and not packed_available(q):
+        raise ValueError(f"packed prefill attention needs CUDA fp16/bf16, got {q.device} {q.dtype}")
     if not packed:
         return prefill_attention_reference(q, k, v, cu_seqlens, scale)
     if cu_seqlens_device is None:
         cu_seqlens_device = torch.tensor(cu_seqlens, dtype=torch.int32, device=q.device)
-    varlen_attn, params = _varlen()
-    kwargs = {"scale": scale}
-    if "window_size" in params:
-        kwargs["window_size"] = (-1, 0)  # causal
-    else:
-        kwargs["is_causal"] = True
-    if "enable_gqa" in params:
-        kwargs["enable_gqa"] = q.shape[1] != k.shape[1]
-    return varlen_attn(
-        q, k, v, cu_seqlens_device, cu_seqlens_device, max_seqlen, max_seqlen, **kwargs
-    )
+    # Imported on first use: Triton must not load before a test selects its interpreter.
+    from xgr.kernels.triton_prefill_attention import packed_causal_attention
+
+    return packed_causal_attention(q, k, v, cu_seqlens_device, max_seqlen, scale)

@@ -11,7 +11,8 @@ decode kernel's (``triton_decode_attention._attend_prompt_tile``, in its causal 
 diagonal).
 
 The reference is ``xgr.kernels.prefill_attention.prefill_attention_reference`` (PyTorch SDPA
-per prompt); ``prefill_attention`` does not choose this kernel until it is measured faster.
+per prompt); ``prefill_attention`` chooses this kernel for several prompts (the measurements
+are in its module's docstring).
 """
 
 from __future__ import annotations

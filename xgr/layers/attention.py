@@ -23,9 +23,9 @@ class PrefillMetadata:
         shared: where each layer writes the prompt KV (one row per prompt token).
         cu_seqlens: R + 1 host ints, token offsets of each prompt in the packed batch.
         cu_seqlens_device: (R + 1,) int32 copy of cu_seqlens on the model's device, for the
-            packed flash-attention path (made per layer from cu_seqlens if None).
+            packed attention launch (made per layer from cu_seqlens if None).
         max_seqlen: the longest prompt (tokens); None: computed from cu_seqlens.
-        packed: force (True) or forbid (False) the packed flash-attention launch; None: the
+        packed: force (True) or forbid (False) the packed attention launch; None: the
             measured choice of ``prefill_attention``.
     """
 
