@@ -43,6 +43,7 @@ class EncDecDecodeMetadata:
         backend: attention by "torch" (the references) or "triton": cross-attention by the
             shared-KV decode kernel (reading ``shared.cu_seqlens`` on the device), decoder
             self-attention by ``triton_beam_self_attention``.
+        split_counters: as ``xgr.layers.attention.DecodeMetadata``'s, for the cross-attention.
     """
 
     shared: SharedKV
@@ -51,6 +52,7 @@ class EncDecDecodeMetadata:
     beam_width: int
     kv_rows: torch.Tensor
     backend: str = "torch"
+    split_counters: torch.Tensor | None = None
 
 
 class T5Attention(nn.Module):
@@ -182,7 +184,10 @@ class T5Attention(nn.Module):
             from xgr.kernels.triton_decode_attention import shared_decode_attention
 
             cu = meta.shared.cu_seqlens
-            return self.project_out(shared_decode_attention(q, k, v, cu, meta.beam_width, scale))
+            out = shared_decode_attention(
+                q, k, v, cu, meta.beam_width, scale, split_counters=meta.split_counters
+            )
+            return self.project_out(out)
         out, _ = shared_attention_reference(q, k, v, meta.cu_seqlens, meta.beam_width, scale)
         return self.project_out(out.to(x.dtype))
 
