@@ -3,8 +3,7 @@
 For each shape (Qwen3-1.7B: 16 query / 8 KV heads, head_dim 128; Qwen2.5-0.5B: 14 / 2 / 64),
 prompt length L, beam width B and request count R, it times one layer's decode attention at
 the last step of a 3-level search (2 beam tokens): xgr's kernel as the engine runs it (split
-count chosen from the grid size, splits merged in-kernel), the same splits merged by a
-second launch, in one fused launch with no split, staged in two launches, and
+count chosen from the grid size), in one fused launch with no split, staged in two launches, and
 PyTorch SDPA over per-beam expanded KV (what per-beam engines store and read). It also times
 the two ways of keeping the beams' own KV after selection (copying the written slots by
 parent vs reading through the ancestry index) and measures the GPU's copy bandwidth and
@@ -45,7 +44,6 @@ from xgr.kernels.triton_decode_attention import (  # noqa: E402
     DEFAULT_LAUNCH,
     LaunchConfig,
     beam_decode_attention,
-    new_split_counters,
 )
 
 SHAPES = {"qwen3-1.7b": (16, 8, 128), "qwen2.5-0.5b": (14, 2, 64)}
@@ -109,13 +107,8 @@ class Problem:
         copies = max(1, min(16, ROTATION_BYTES // (2 * self.k.nbytes)))
         extra = [(self.k.clone(), self.v.clone()) for _ in range(copies - 1)]
         self.kv_sets = itertools.cycle([(self.k, self.v), *extra])
-        self.counters = new_split_counters(dev)
 
-    def run(
-        self, rows=None, rotate=True, staged=False, config=DEFAULT_LAUNCH, merge=True
-    ) -> torch.Tensor:
-        """One launch as the engine makes it; merge=False: split launches merge in a second
-        launch (no tile counters)."""
+    def run(self, rows=None, rotate=True, staged=False, config=DEFAULT_LAUNCH) -> torch.Tensor:
         k, v = next(self.kv_sets) if rotate else (self.k, self.v)
         rows = self.identity if rows is None else rows
         return beam_decode_attention(
@@ -131,7 +124,6 @@ class Problem:
             self.scale,
             staged=staged,
             config=config,
-            split_counters=self.counters if merge else None,
         )
 
     def reference(self) -> torch.Tensor:
@@ -152,7 +144,6 @@ def run_config(shape_name, length, beam_width, requests, ceilings) -> dict:
     one_split = dataclasses.replace(DEFAULT_LAUNCH, num_splits=1)
     variants = {
         "xgr": dict(),  # the engine's default launch (split count from the grid size)
-        "split_two_launches": dict(merge=False),  # the same splits merged by a second launch
         "one_split": dict(config=one_split),  # always one fused launch
         "staged_one_split": dict(staged=True, config=one_split),
     }
@@ -220,26 +211,21 @@ def sweep() -> list[dict]:
     rows = []
     for shape in SHAPES:
         p = Problem(shape, 3000, 512, 1)
-        # One warpgroup per 64 rows (the best warp counts of the first sweep); splits merged
-        # in-kernel (merge) or by a second launch.
-        for (bm, warps), bn, stages, splits, merge in itertools.product(
-            ((64, 4), (128, 8)), (64, 128), (3, 4), (1, 2, 4), (True, False)
+        for bm, bn, warps, stages, splits in itertools.product(
+            (64, 128), (64, 128), (4, 8), (2, 3, 4), (1, 2)
         ):
-            if splits == 1 and not merge:
-                continue
             config = LaunchConfig(bm, bn, warps, stages, splits)
             try:
-                ms = bench(lambda c=config, p=p, m=merge: p.run(config=c, merge=m), replays=10)
+                ms = bench(lambda c=config, p=p: p.run(config=c), replays=10)
             except Exception as exc:  # a tile too large for shared memory: skip it
                 print(f"{shape} {config}: {type(exc).__name__}", flush=True)
                 continue
-            rows.append({"shape": shape, **dataclasses.asdict(config), "merge": merge, "ms": ms})
+            rows.append({"shape": shape, **dataclasses.asdict(config), "ms": ms})
         best = sorted((r for r in rows if r["shape"] == shape), key=lambda r: r["ms"])[:6]
         for r in best:
             print(
                 f"{shape:<13} {r['block_m']:>4} {r['block_n']:>4} {r['num_warps']:>2} "
-                f"{r['num_stages']:>2} {r['num_splits']:>2} "
-                f"{'merged' if r['merge'] else '2 launches':>10} {r['ms'] * 1e3:8.1f} us",
+                f"{r['num_stages']:>2} {r['num_splits']:>2} {r['ms'] * 1e3:8.1f} us",
                 flush=True,
             )
     return rows
@@ -349,8 +335,7 @@ def main() -> None:
         args.output.write_text(json.dumps(report, indent=2) + "\n")
         return
     header = (
-        f"{'shape':<13}{'L':>6}{'B':>5}{'R':>3}{'xgr us':>9}{'eager':>8}{'2 launch':>9}"
-        f"{'1 split':>9}{'staged':>9}"
+        f"{'shape':<13}{'L':>6}{'B':>5}{'R':>3}{'xgr us':>9}{'eager':>8}{'1 split':>9}{'staged':>9}"
         f"{'sdpa us':>10}{'x sdpa':>8}{'roofline':>9}{'bound':>8}{'reorder':>9}"
         f"{'ancestry':>9}{'err':>9}"
     )
@@ -365,7 +350,7 @@ def main() -> None:
         lines.append(
             f"{r['shape']:<13}{r['prompt_len']:>6}{r['beam_width']:>5}{r['requests']:>3}"
             f"{r['xgr_ms'] * 1e3:9.1f}{r['xgr_eager_ms'] * 1e3:8.1f}"
-            f"{r['split_two_launches_ms'] * 1e3:9.1f}{r['one_split_ms'] * 1e3:9.1f}"
+            f"{r['one_split_ms'] * 1e3:9.1f}"
             f"{r['staged_one_split_ms'] * 1e3:9.1f}{sdpa}{speed}{r['roofline_fraction']:9.2f}"
             f"{r['bound']:>8}{r['reorder_copy_ms'] * 1e3:9.1f}"
             f"{r['xgr_ancestry_rows_ms'] * 1e3:9.1f}{r['max_rel_err']:9.1e}"

@@ -66,11 +66,6 @@ MODES = {
     "split5_block16": dict(
         staged=False, config=kernel_module.LaunchConfig(block_m=16, block_n=16, num_splits=5)
     ),
-    # The same splits merged in-kernel by each tile's last split (tile counters given).
-    "split3_merged": dict(staged=False, config=kernel_module.LaunchConfig(num_splits=3)),
-    "split5_block16_merged": dict(
-        staged=False, config=kernel_module.LaunchConfig(block_m=16, block_n=16, num_splits=5)
-    ),
 }
 
 
@@ -97,59 +92,12 @@ def test_kernel_matches_reference(
     scale = head_dim**-0.5
     expected = reference(q, k, v, cu, bk, bv, beam_rows, tokens, beam_width, scale).float()
     cu_t = torch.tensor(cu, device=DEVICE)
-    kwargs = dict(MODES[mode])
-    if mode.endswith("_merged"):
-        kwargs["split_counters"] = kernel_module.new_split_counters(DEVICE)
     got = kernel_module.beam_decode_attention(
-        q, k, v, cu_t, bk, bv, beam_rows, tokens, beam_width, scale, **kwargs
+        q, k, v, cu_t, bk, bv, beam_rows, tokens, beam_width, scale, **MODES[mode]
     ).float()
     assert not torch.isnan(got).any()
     error = (got - expected).abs().max() / expected.abs().max()
     assert error < TOLERANCE[dtype]
-    if "split_counters" in kwargs:  # left at zero for the next launch
-        assert kwargs["split_counters"].count_nonzero() == 0
-
-
-def test_in_kernel_merge_reuses_its_counters_and_launches_once(monkeypatch):
-    """Repeated launches on one counter buffer give the first result; the merge needs one
-    launch where the same split without counters needs two; too few counters fall back."""
-    gen = torch.Generator().manual_seed(3)
-    q, k, v, cu, bk, bv, beam_rows = make_inputs([40, 7], 6, 4, 2, 16, 2, torch.float32, gen)
-    cu_t = torch.tensor(cu, device=DEVICE)
-    config = kernel_module.LaunchConfig(block_m=16, block_n=16, num_splits=4)
-    launches = []
-    kernel = kernel_module._beam_decode_attention_kernel
-    # Outputs start as NaN: a tile whose last split failed to merge shows up.
-    nan_like = torch.full_like
-    monkeypatch.setattr(kernel_module.torch, "empty_like", lambda t: nan_like(t, float("nan")))
-    monkeypatch.setattr(
-        kernel_module,
-        "_beam_decode_attention_kernel",
-        type(
-            "Counted", (), {"__getitem__": lambda _, grid: launches.append(grid) or kernel[grid]}
-        )(),
-    )
-
-    def run(counters):
-        launches.clear()
-        out = kernel_module.beam_decode_attention(
-            q, k, v, cu_t, bk, bv, beam_rows, 2, 6, 0.25, config=config, split_counters=counters
-        )
-        return out, len(launches)
-
-    expected = reference(q, k, v, cu, bk, bv, beam_rows, 2, 6, 0.25)
-    counters = kernel_module.new_split_counters(DEVICE)
-    for _ in range(3):
-        got, count = run(counters)
-        torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
-        assert count == 1 and counters.count_nonzero() == 0
-    # 1 row block (6 beams x 2 heads per KV head) x 2 KV heads x 2 requests = 4 tiles.
-    few = torch.zeros(3, dtype=torch.int32, device=DEVICE)
-    got, count = run(few)
-    torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
-    assert count == 2
-    with pytest.raises(ValueError, match="split_counters must be 1-D int32"):
-        run(counters.long())
 
 
 def test_every_output_element_is_written(monkeypatch):

@@ -64,16 +64,6 @@ class DecodeSpec:
         return code_log_probs(hidden, self.level_weights[level], full, self.code_mask[level])
 
 
-def _split_counters(backend: str, device: torch.device) -> torch.Tensor | None:
-    """Tile counters for the Triton decode attention's in-kernel merge of split launches:
-    allocated (and zeroed) per call, so a CUDA graph replays the zeroing with its kernels."""
-    if backend != "triton":
-        return None
-    from xgr.kernels.triton_decode_attention import new_split_counters
-
-    return new_split_counters(device)
-
-
 def decode_levels(
     spec: DecodeSpec,
     last_hidden: torch.Tensor,
@@ -108,10 +98,7 @@ def decode_levels(
         last_hidden.dtype,
         last_hidden.device,
     )
-    meta = DecodeMetadata(
-        shared, beam, cu_seqlens_host, beam_width, spec.attention_backend,
-        _split_counters(spec.attention_backend, last_hidden.device),
-    )  # fmt: skip
+    meta = DecodeMetadata(shared, beam, cu_seqlens_host, beam_width, spec.attention_backend)
 
     def forward(ids: torch.Tensor, level: int) -> torch.Tensor:
         pos = (prompt_lens + level - 1)[:, None].expand(num_requests, beam_width)
@@ -152,14 +139,11 @@ def decode_levels_encdec(
     # One row per request: the start token's K/V goes to the request's first beam row, and
     # the reorder after level 0 points every beam of the request at it (all have parent 0).
     backend = spec.attention_backend
-    counters = _split_counters(backend, device)
-    meta = EncDecDecodeMetadata(shared, beam, cu_seqlens_host, 1, first_rows, backend, counters)
+    meta = EncDecDecodeMetadata(shared, beam, cu_seqlens_host, 1, first_rows, backend)
     hidden = model.decode(start, meta)
     beam.length = 1
     all_rows = torch.arange(num_requests * beam_width, device=device)
-    meta = EncDecDecodeMetadata(
-        shared, beam, cu_seqlens_host, beam_width, all_rows, backend, counters
-    )  # fmt: skip
+    meta = EncDecDecodeMetadata(shared, beam, cu_seqlens_host, beam_width, all_rows, backend)
     first = spec.log_probs(hidden, 0)
     return _search_levels(
         spec, first, beam, lambda ids, _level: model.decode(ids, meta), beam_width, top_k

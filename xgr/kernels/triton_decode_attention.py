@@ -24,9 +24,6 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-# The same constants inside kernels (globals a Triton kernel may read must be constexpr).
-LOG2E_F: tl.constexpr = tl.constexpr(1.4426950408889634)
-LN2_F: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -84,59 +81,8 @@ def _attend_prompt_tile(
 
 
 @triton.jit
-def _merge_splits(PART, LSE, part_offs, lse_offs, row_ok, split_lse, HEAD_DIM: tl.constexpr,
-                  SPLITS: tl.constexpr):  # fmt: skip
-    """Online-softmax state (m in log2 units, l, acc) of the SPLITS partial results.
-
-    Loads go through L2 only (``.cg``): in the in-kernel merge other SMs wrote them during
-    this launch. Split 0 always holds tokens (every prompt has at least one).
-    """
-    acc = tl.load(PART + part_offs, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-    m_i = tl.load(LSE + lse_offs, mask=row_ok, other=0.0, cache_modifier=".cg") * LOG2E_F
-    l_i = tl.full(m_i.shape, 1.0, tl.float32)
-    for s in tl.static_range(1, SPLITS):
-        lse_s = tl.load(
-            LSE + s * split_lse + lse_offs, mask=row_ok, other=0.0, cache_modifier=".cg"
-        ) * LOG2E_F  # fmt: skip
-        out_s = tl.load(
-            PART + s * split_lse * HEAD_DIM + part_offs,
-            mask=row_ok[:, None], other=0.0, cache_modifier=".cg",
-        )  # fmt: skip
-        m_new = tl.maximum(m_i, lse_s)
-        alpha = tl.exp2(m_i - m_new)
-        weight = tl.exp2(lse_s - m_new)  # 0 for an empty split (lse -inf)
-        acc = acc * alpha[:, None] + weight[:, None] * out_s
-        l_i = l_i * alpha + weight
-        m_i = m_new
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _attend_beam_tokens(
-    q, BK, BV, ROWS, n, row_ok, kv_head, d, m_i, l_i, acc,
-    stride_bn, stride_bt, stride_bh, stride_rn, scale_log2,
-    NUM_BEAM_TOKENS: tl.constexpr,
-):  # fmt: skip
-    """Fold each beam's own tokens (a few: unrolled) into the online softmax."""
-    qf = q.to(tl.float32)
-    for j in tl.static_range(NUM_BEAM_TOKENS):
-        src = tl.load(ROWS + n * stride_rn + j, mask=row_ok, other=0)
-        b_off = src[:, None] * stride_bn + j * stride_bt + kv_head * stride_bh + d[None, :]
-        ku = tl.load(BK + b_off, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        s = tl.sum(qf * ku, 1) * scale_log2
-        m_new = tl.maximum(m_i, s)
-        p = tl.exp2(s - m_new)
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + p
-        vu = tl.load(BV + b_off, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + p[:, None] * vu
-        m_i = m_new
-    return m_i, l_i, acc
-
-
-@triton.jit
 def _beam_decode_attention_kernel(
-    Q, K, V, BK, BV, ROWS, CU, OUT, PART, LSE, COUNT,
+    Q, K, V, BK, BV, ROWS, CU, OUT, PART, LSE,
     stride_qn, stride_qh,
     stride_kt, stride_kh,
     stride_bn, stride_bt, stride_bh,
@@ -145,17 +91,15 @@ def _beam_decode_attention_kernel(
     num_rows, beam_width, scale_log2,
     NUM_BEAM_TOKENS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-    SHARED: tl.constexpr, BEAM: tl.constexpr, OUT_PARTIAL: tl.constexpr, MERGE: tl.constexpr,
+    SHARED: tl.constexpr, BEAM: tl.constexpr, OUT_PARTIAL: tl.constexpr,
     FOR_LOOP: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Grid: (row blocks, KV heads, requests x SPLITS) for the shared stage, else requests.
 
     SHARED: attend to split ``pid % SPLITS`` of the request's prompt; otherwise start from
-    the SPLITS partial results in PART / LSE. OUT_PARTIAL: write this split's float32
-    output and log-sum-exp to PART / LSE (laid out (SPLITS, rows, heads, HEAD_DIM) and
-    (SPLITS, rows, heads)) and stop there, unless MERGE: then the tile's last split to finish
-    (counted in COUNT, one int32 per (request, KV head, row block), left at 0) merges the
-    partial results itself. BEAM: attend to the beam's own tokens before the final output.
+    the SPLITS partial results in PART / LSE. BEAM: then attend to the beam's own tokens.
+    OUT_PARTIAL: write float32 output and log-sum-exp of this split to PART / LSE (laid out
+    (SPLITS, rows, heads, HEAD_DIM) and (SPLITS, rows, heads)); otherwise the final output.
     """
     pid_m = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -208,55 +152,47 @@ def _beam_decode_attention_kernel(
                 q, K, V, full, hi, kv_head, stride_kt, stride_kh, d, m_i, l_i, acc,
                 scale_log2, BLOCK_N, PRECISION, True, 0, False,
             )  # fmt: skip
-        if OUT_PARTIAL:
-            # An empty split (short prompt, many splits) writes 0 and lse -inf: it weighs nothing.
-            safe_l = tl.where(l_i > 0, l_i, 1.0)  # acc is 0 where l is 0
-            tl.store(
-                PART + split * split_lse * HEAD_DIM + part_offs, acc / safe_l[:, None],
-                mask=row_ok[:, None],
-            )  # fmt: skip
-            lse = tl.where(l_i > 0, (m_i + tl.log2(safe_l)) * LN2_F, float("-inf"))
-            tl.store(LSE + split * split_lse + lse_offs, lse, mask=row_ok)
-            if MERGE:
-                # Every thread's stores are done before the count moves (the barrier), and
-                # the release/acquire pair makes them visible to the SM that merges.
-                tl.debug_barrier()
-                tile = (req * tl.num_programs(1) + kv_head) * tl.num_programs(0) + pid_m
-                done = tl.atomic_add(COUNT + tile, 1, sem="acq_rel")
-                if done == SPLITS - 1:  # the last split of this tile: merge, then finish
-                    tl.store(COUNT + tile, 0)  # ready for the next launch
-                    m_i, l_i, acc = _merge_splits(
-                        PART, LSE, part_offs, lse_offs, row_ok, split_lse, HEAD_DIM, SPLITS
-                    )  # fmt: skip
-                    if BEAM:
-                        m_i, l_i, acc = _attend_beam_tokens(
-                            q, BK, BV, ROWS, n, row_ok, kv_head, d, m_i, l_i, acc,
-                            stride_bn, stride_bt, stride_bh, stride_rn, scale_log2,
-                            NUM_BEAM_TOKENS,
-                        )  # fmt: skip
-                    tl.store(
-                        out_ptrs, (acc / l_i[:, None]).to(OUT.dtype.element_ty),
-                        mask=row_ok[:, None],
-                    )  # fmt: skip
-        else:
-            if BEAM:
-                m_i, l_i, acc = _attend_beam_tokens(
-                    q, BK, BV, ROWS, n, row_ok, kv_head, d, m_i, l_i, acc,
-                    stride_bn, stride_bt, stride_bh, stride_rn, scale_log2, NUM_BEAM_TOKENS,
-                )  # fmt: skip
-            tl.store(
-                out_ptrs, (acc / l_i[:, None]).to(OUT.dtype.element_ty), mask=row_ok[:, None]
-            )  # fmt: skip
     else:
-        m_i, l_i, acc = _merge_splits(
-            PART, LSE, part_offs, lse_offs, row_ok, split_lse, HEAD_DIM, SPLITS
-        )  # fmt: skip
-        if BEAM:
-            m_i, l_i, acc = _attend_beam_tokens(
-                q, BK, BV, ROWS, n, row_ok, kv_head, d, m_i, l_i, acc,
-                stride_bn, stride_bt, stride_bh, stride_rn, scale_log2, NUM_BEAM_TOKENS,
-            )  # fmt: skip
-        tl.store(out_ptrs, (acc / l_i[:, None]).to(OUT.dtype.element_ty), mask=row_ok[:, None])
+        # Merge the splits (split 0 always holds tokens: every prompt has at least one).
+        acc = tl.load(PART + part_offs, mask=row_ok[:, None], other=0.0)
+        m_i = tl.load(LSE + lse_offs, mask=row_ok, other=0.0) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+        for s in tl.static_range(1, SPLITS):
+            lse_s = tl.load(LSE + s * split_lse + lse_offs, mask=row_ok, other=0.0)
+            lse_s = lse_s * 1.4426950408889634
+            out_s = tl.load(
+                PART + s * split_lse * HEAD_DIM + part_offs, mask=row_ok[:, None], other=0.0
+            )
+            m_new = tl.maximum(m_i, lse_s)
+            alpha = tl.exp2(m_i - m_new)
+            weight = tl.exp2(lse_s - m_new)  # 0 for an empty split (lse -inf)
+            acc = acc * alpha[:, None] + weight[:, None] * out_s
+            l_i = l_i * alpha + weight
+            m_i = m_new
+    if BEAM:
+        qf = q.to(tl.float32)
+        for j in tl.static_range(NUM_BEAM_TOKENS):  # a few tokens: unrolled
+            src = tl.load(ROWS + n * stride_rn + j, mask=row_ok, other=0)
+            b_off = src[:, None] * stride_bn + j * stride_bt + kv_head * stride_bh + d[None, :]
+            ku = tl.load(BK + b_off, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            s = tl.sum(qf * ku, 1) * scale_log2
+            m_new = tl.maximum(m_i, s)
+            p = tl.exp2(s - m_new)
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + p
+            vu = tl.load(BV + b_off, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + p[:, None] * vu
+            m_i = m_new
+    if OUT_PARTIAL:
+        # An empty split (short prompt, many splits) writes 0 and lse -inf: it weighs nothing.
+        safe_l = tl.where(l_i > 0, l_i, 1.0)  # acc is 0 where l is 0
+        out = acc / safe_l[:, None]
+        tl.store(PART + split * split_lse * HEAD_DIM + part_offs, out, mask=row_ok[:, None])
+        lse = tl.where(l_i > 0, (m_i + tl.log2(safe_l)) * 0.6931471805599453, float("-inf"))
+        tl.store(LSE + split * split_lse + lse_offs, lse, mask=row_ok)
+    else:
+        out = acc / l_i[:, None]
+        tl.store(out_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
 
 
 def _check(
@@ -322,7 +258,6 @@ class LaunchConfig:
 
 DEFAULT_LAUNCH = LaunchConfig()
 MAX_SPLITS = 8
-SPLIT_COUNTER_SLOTS = 1024
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 
 
@@ -353,27 +288,6 @@ def choose_num_splits(programs: int, device: torch.device) -> int:
     return max(2, min(MAX_SPLITS, sms // programs))
 
 
-def new_split_counters(device: torch.device | str) -> torch.Tensor:
-    """Zeroed tile counters for split launches that merge in-kernel (``split_counters``).
-
-    Returns:
-        (SPLIT_COUNTER_SLOTS,) int32 zeros: enough for any grid that ``choose_num_splits``
-        splits (at most one program per SM per split).
-    """
-    return torch.zeros(SPLIT_COUNTER_SLOTS, dtype=torch.int32, device=device)
-
-
-def _counters_fit(counters: torch.Tensor, tiles: int, device: torch.device) -> bool:
-    if counters.dtype != torch.int32 or counters.device != device or counters.dim() != 1:
-        raise ValueError(
-            f"split_counters must be 1-D int32 on {device}, got {counters.dtype} on "
-            f"{counters.device} with shape {tuple(counters.shape)}"
-        )
-    if not counters.is_contiguous():
-        raise ValueError("split_counters must be contiguous")
-    return counters.numel() >= tiles
-
-
 def beam_decode_attention(
     q: torch.Tensor,
     shared_k: torch.Tensor,
@@ -387,7 +301,6 @@ def beam_decode_attention(
     scale: float,
     staged: bool = False,
     config: LaunchConfig = DEFAULT_LAUNCH,
-    split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of every beam over its request's prompt KV and its own tokens.
 
@@ -402,13 +315,8 @@ def beam_decode_attention(
         beam_width: beams per request.
         scale: softmax scale.
         staged: always two launches (prompt part, then merge + beam part); otherwise one
-            launch when a single split suffices, or when ``split_counters`` is given (the
-            last split of each tile to finish merges the others' partial results).
+            fused launch when a single split suffices.
         config: tile sizes, warps, pipeline depth and split count.
-        split_counters: (n,) int32 zeros on q's device (``new_split_counters``), left zero
-            by every launch; one launch may use it at a time (kernels queued on one stream
-            may share it). None, or fewer than the grid's tiles: split launches merge in a
-            second launch.
 
     Returns:
         (R * beam_width, num_heads, head_dim) in q's dtype; accumulation is float32.
@@ -427,13 +335,6 @@ def beam_decode_attention(
         row_blocks * num_kv_heads * num_requests, q.device
     )
     out = torch.empty_like(q)
-    tiles = row_blocks * num_kv_heads * num_requests
-    merge = (
-        not staged
-        and splits > 1
-        and split_counters is not None
-        and _counters_fit(split_counters, tiles, q.device)
-    )
     two_stage = staged or splits > 1
     if two_stage:
         partial = torch.empty(
@@ -443,13 +344,10 @@ def beam_decode_attention(
     else:  # unused by a fused launch: no allocation on the hot path
         partial = lse = out
 
-    counters = split_counters if merge else cu_seqlens  # unread without the merge
-
-    def launch(shared: bool, beam: bool, out_partial: bool, merge: bool = False) -> None:
+    def launch(shared: bool, beam: bool, out_partial: bool) -> None:
         programs = num_requests * splits if shared else num_requests
         _beam_decode_attention_kernel[(row_blocks, num_kv_heads, programs)](
             q, shared_k, shared_v, beam_k, beam_v, beam_rows, cu_seqlens, out, partial, lse,
-            counters,
             q.stride(0), q.stride(1),
             shared_k.stride(0), shared_k.stride(1),
             beam_k.stride(0), beam_k.stride(1), beam_k.stride(2),
@@ -458,16 +356,14 @@ def beam_decode_attention(
             rows, beam_width, scale * LOG2E,
             NUM_BEAM_TOKENS=num_beam_tokens, GROUP=group, HEAD_DIM=head_dim,
             BLOCK_M=config.block_m, BLOCK_N=block_n, SPLITS=splits,
-            SHARED=shared, BEAM=beam, OUT_PARTIAL=out_partial, MERGE=merge,
+            SHARED=shared, BEAM=beam, OUT_PARTIAL=out_partial,
             FOR_LOOP=q.is_cuda,
             # float32 stays float32 on tensor cores (no tf32), so the engine stays exact.
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=config.num_warps, num_stages=config.num_stages,
         )  # fmt: skip
 
-    if merge:
-        launch(shared=True, beam=True, out_partial=True, merge=True)
-    elif two_stage:
+    if two_stage:
         launch(shared=True, beam=False, out_partial=True)
         launch(shared=False, beam=True, out_partial=False)
     else:
@@ -482,7 +378,6 @@ def shared_decode_attention(
     cu_seqlens: torch.Tensor,
     beam_width: int,
     scale: float,
-    split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of every beam over its request's shared KV alone, with no beam tokens:
     the cross-attention of an encoder-decoder (T5) over the encoder output, no mask.
@@ -493,7 +388,6 @@ def shared_decode_attention(
         cu_seqlens: (R + 1,) int32/int64 prompt offsets on the device.
         beam_width: query rows per request.
         scale: softmax scale (1.0 for T5).
-        split_counters: as ``beam_decode_attention``'s.
 
     Returns:
         (R * beam_width, num_heads, head_dim) in q's dtype.
@@ -505,6 +399,5 @@ def shared_decode_attention(
     none_k = q.new_zeros(1, 1, shared_k.shape[1], q.shape[2])
     none_rows = torch.zeros(q.shape[0], 1, dtype=torch.int32, device=q.device)
     return beam_decode_attention(
-        q, shared_k, shared_v, cu_seqlens, none_k, none_k, none_rows, 0, beam_width, scale,
-        split_counters=split_counters,
-    )  # fmt: skip
+        q, shared_k, shared_v, cu_seqlens, none_k, none_k, none_rows, 0, beam_width, scale
+    )

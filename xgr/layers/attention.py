@@ -46,9 +46,6 @@ class DecodeMetadata:
         cu_seqlens: R + 1 host ints, prompt offsets.
         beam_width: beam rows per request (rows are request-major).
         backend: "torch" (the reference) or "triton" (the GPU kernel), chosen by the engine.
-        split_counters: (n,) int32 zeros for the Triton kernel's in-kernel merge of split
-            launches (``triton_decode_attention.new_split_counters``); None: split launches
-            merge in a second launch.
     """
 
     shared: SharedKV
@@ -56,7 +53,6 @@ class DecodeMetadata:
     cu_seqlens: list[int]
     beam_width: int
     backend: str = "torch"
-    split_counters: torch.Tensor | None = None
 
 
 class Attention(nn.Module):
@@ -150,7 +146,6 @@ class Attention(nn.Module):
                 num_tokens,
                 meta.beam_width,
                 self.scale,
-                split_counters=meta.split_counters,
             )
         own_k, own_v = meta.beam.gather(layer, num_tokens)
         return decode_attention_reference(

@@ -43,7 +43,6 @@ class EncDecDecodeMetadata:
         backend: attention by "torch" (the references) or "triton": cross-attention by the
             shared-KV decode kernel (reading ``shared.cu_seqlens`` on the device), decoder
             self-attention by ``triton_beam_self_attention``.
-        split_counters: as ``xgr.layers.attention.DecodeMetadata``'s, for the cross-attention.
     """
 
     shared: SharedKV
@@ -52,7 +51,6 @@ class EncDecDecodeMetadata:
     beam_width: int
     kv_rows: torch.Tensor
     backend: str = "torch"
-    split_counters: torch.Tensor | None = None
 
 
 class T5Attention(nn.Module):
@@ -184,10 +182,7 @@ class T5Attention(nn.Module):
             from xgr.kernels.triton_decode_attention import shared_decode_attention
 
             cu = meta.shared.cu_seqlens
-            out = shared_decode_attention(
-                q, k, v, cu, meta.beam_width, scale, split_counters=meta.split_counters
-            )
-            return self.project_out(out)
+            return self.project_out(shared_decode_attention(q, k, v, cu, meta.beam_width, scale))
         out, _ = shared_attention_reference(q, k, v, meta.cu_seqlens, meta.beam_width, scale)
         return self.project_out(out.to(x.dtype))
 
