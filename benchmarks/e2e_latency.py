@@ -37,6 +37,7 @@ from timing import graph_ms, time_recommend  # noqa: E402
 
 from xgr import Engine, ItemCatalog  # noqa: E402
 from xgr.beam import BeamState, constrained_beam_step  # noqa: E402
+from xgr.beam import step as step_module  # noqa: E402
 from xgr.engine.cuda_graph import CudaGraphs  # noqa: E402
 from xgr.models.config import DecoderConfig  # noqa: E402
 from xgr.models.decoder import CausalLM  # noqa: E402
@@ -99,9 +100,9 @@ def sid_token_map(vocab: int, levels: int) -> np.ndarray:
     return base + np.arange(levels * CODEBOOK).reshape(levels, CODEBOOK)
 
 
-def selection_ms(engine: Engine, requests: int, beam_width: int) -> list[float]:
-    """Device ms of the constrained beam step of each level (random scores, live nodes)."""
-    device, trie = engine.device, engine.trie
+def selection_ms(trie, device, requests: int, beam_width: int) -> list[float]:
+    """Device ms of the constrained beam step of each level of ``trie`` (a ``PrefixTrie`` on
+    ``device``), random scores, every beam live."""
     gen = torch.Generator(device=device).manual_seed(0)
     out = []
     for depth, level in enumerate(trie.levels):
@@ -145,10 +146,18 @@ def run_xgr(engine, cfg, length, beam_width, requests, reps, matmul_rate, device
     row["reps"] = reps
     row["top10"] = [[c for c, _ in r.semantic_ids[:10]] for r in results]
     if device == "cuda":
-        sel = selection_ms(engine, requests, beam_width)
+        sel = selection_ms(engine.trie, engine.device, requests, beam_width)
         row["selection_ms_per_level"] = sel
         row["selection_ms"] = sum(sel)
         row["decode_forward_ms"] = row["decode_ms"] - row["selection_ms"]
+        # The same steps selecting their pools by torch.topk (the engine's earlier choice).
+        previous, step_module.POOL_TOPK = step_module.POOL_TOPK, "torch"
+        try:
+            row["selection_ms_per_level_torch_topk"] = selection_ms(
+                engine.trie, engine.device, requests, beam_width
+            )
+        finally:
+            step_module.POOL_TOPK = previous
         flops = requests * request_flops(cfg, length, beam_width, levels)
         row["flops"] = flops
         row["matmul_rate_fraction"] = flops / matmul_rate / (row["median_ms"] * 1e-3)

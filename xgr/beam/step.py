@@ -15,6 +15,9 @@ import torch
 from xgr.catalog.trie import TrieLevel
 
 NEG_INF = float("-inf")
+# How ``constrained_beam_step_triton`` selects each request's pool: "triton" (bitonic top-k
+# in chunks) or "torch" (``torch.topk``); benchmarks/e2e_latency.py times both.
+POOL_TOPK = "triton"
 
 
 @dataclass
@@ -115,14 +118,18 @@ def constrained_beam_step(
 def constrained_beam_step_triton(
     state: BeamState, log_probs: torch.Tensor, level: TrieLevel, beam_width: int, top_k: int
 ) -> BeamState:
-    """``constrained_beam_step`` on code log-probabilities with two Triton kernels.
+    """``constrained_beam_step`` on code log-probabilities with Triton kernels.
 
-    One kernel scores every beam's candidates (trie lookup, gather, mask), ``torch.topk``
-    selects, one kernel resolves the winners' parents, codes and trie nodes. Same arguments
-    and result as ``constrained_beam_step`` with ``level_token_ids=None``; (R, B_prev,
-    codebook_size) float32 ``log_probs`` with a contiguous last dimension.
+    One kernel scores every beam's candidates (trie lookup, gather, mask), the request's
+    pool is selected by ``POOL_TOPK`` (Triton's bitonic top-k in chunks,
+    ``xgr.kernels.triton_topk.pool_topk``, or ``torch.topk``), one kernel resolves the
+    winners' parents, codes and trie nodes. Same arguments and result as
+    ``constrained_beam_step`` with ``level_token_ids=None`` (ties between equal scores go to
+    the lower pool position); (R, B_prev, codebook_size) float32 ``log_probs`` with a
+    contiguous last dimension.
     """
     from xgr.kernels.triton_beam import gather_selected, score_candidates
+    from xgr.kernels.triton_topk import pool_topk
 
     num_requests, prev_beams, num_codes = log_probs.shape
     nodes = state.nodes.reshape(-1)
@@ -138,7 +145,10 @@ def constrained_beam_step_triton(
         beam_best, slot = cand.topk(k, dim=1)
         pool = beam_best.view(num_requests, prev_beams * k)
     keep = min(beam_width, prev_beams * k)
-    scores, flat = pool.topk(keep, dim=1)
+    if POOL_TOPK == "triton":
+        scores, flat = pool_topk(pool, keep)
+    else:
+        scores, flat = pool.topk(keep, dim=1)
     new_nodes, codes, parents = gather_selected(flat, slot, scores, nodes, level, k)
     return _pad_beams(BeamState(scores, new_nodes, codes, parents), beam_width)
 

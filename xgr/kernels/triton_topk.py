@@ -1,0 +1,115 @@
+"""Triton top-k of each request's candidate pool: the selection of a beam step.
+
+``torch.topk`` with k = 512 is slow for the pools of a semantic-ID beam step: for a pool
+under 64 x k entries (the last level's 512 beams x <= 32 children = 16,384) it sorts the
+whole row, and for a larger one (512 x 256 codes) it runs a radix select in one thread block
+per row. H200 (``benchmarks/e2e_latency.py``, beam 512): 102-107 us for the last level's step,
+75 us for the dense level's.
+
+Here each program takes a chunk of a row, packs every score with its position into one
+int64 key and keeps the chunk's top k with Triton's bitonic top-k (``tl.topk``, after
+Shanbhag, Pirk and Madden, "Efficient Top-K Query Processing on Massively Parallel
+Hardware", SIGMOD 2018); the chunks' winners form the next round's pool until one program
+holds a row. Keys order by score, then by lower position, so ties (and -inf, the dead
+candidates) resolve as a stable descending sort does: ``topk_reference``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Pool entries per program: 4096 int64 keys in registers, and few rounds for 512 x 256 pools.
+TOPK_CHUNK = 4096
+# Packed keys of positions past a pool's end: below every real key, -inf included.
+_PAD_KEY = -(2**63)
+
+
+@triton.jit
+def _pool_topk_kernel(
+    IN, OUT_KEYS, OUT_SCORES, OUT_INDEX,
+    n_in, keep, stride_in, stride_out,
+    CHUNK: tl.constexpr, K: tl.constexpr, FROM_SCORES: tl.constexpr, FINAL: tl.constexpr,
+):  # fmt: skip
+    """Grid: (requests, chunks). Top K keys of IN[r, c * CHUNK : (c + 1) * CHUNK].
+
+    FROM_SCORES: IN holds float32 scores (packed here), else the previous round's keys.
+    FINAL: write the first ``keep`` winners unpacked (score, position); else K keys.
+    """
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    offs = c * CHUNK + tl.arange(0, CHUNK).to(tl.int64)
+    ok = offs < n_in
+    if FROM_SCORES:
+        score = tl.load(IN + r * stride_in + offs, mask=ok, other=float("-inf"))
+        bits = score.to(tl.int32, bitcast=True)
+        # Order-preserving: a negative float's magnitude bits flip, so int order = float order.
+        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+        # Lower positions rank first among equal scores (a stable descending sort).
+        key = (ordered.to(tl.int64) << 32) | (0xFFFFFFFF - offs)
+        key = tl.where(ok, key, -9223372036854775808)
+    else:
+        key = tl.load(IN + r * stride_in + offs, mask=ok, other=-9223372036854775808)
+    best = tl.topk(key, K)  # descending
+    i = tl.arange(0, K)
+    if FINAL:
+        ordered = (best >> 32).to(tl.int32)
+        bits = tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF)
+        position = 0xFFFFFFFF - (best & 0xFFFFFFFF)
+        tl.store(OUT_SCORES + r * keep + i, bits.to(tl.float32, bitcast=True), mask=i < keep)
+        tl.store(OUT_INDEX + r * keep + i, position, mask=i < keep)
+    else:
+        tl.store(OUT_KEYS + r * stride_out + c * K + i, best)
+
+
+def pool_topk(pool: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``keep`` best entries of each row, best first, ties to the lower position.
+
+    Args:
+        pool: (R, n) float32 scores on a CUDA device (or any device under Triton's
+            interpreter); NaN must already be replaced (the beam step scores it -inf).
+        keep: 1 <= keep <= n entries per row.
+
+    Returns:
+        scores: (R, keep) float32; index: (R, keep) int64 positions in the row.
+
+    Raises:
+        ValueError: a pool that is not 2-D float32, keep out of range, or n >= 2**32.
+    """
+    if pool.dim() != 2 or pool.dtype != torch.float32:
+        raise ValueError(f"pool must be (R, n) float32, got {tuple(pool.shape)} {pool.dtype}")
+    rows, n = pool.shape
+    if not 1 <= keep <= n:
+        raise ValueError(f"keep must be in 1..{n}, got {keep}")
+    if n >= 2**32:
+        raise ValueError(f"pools of {n} entries are beyond the 32-bit positions of the keys")
+    pool = pool.contiguous()
+    k = triton.next_power_of_2(keep)
+    scores = torch.empty(rows, keep, dtype=torch.float32, device=pool.device)
+    index = torch.empty(rows, keep, dtype=torch.int64, device=pool.device)
+    if rows == 0:
+        return scores, index
+    src, count, from_scores = pool, n, True
+    while True:
+        # A chunk holds at least 2k entries, so every round at least halves the pool.
+        chunk = min(max(TOPK_CHUNK, 2 * k), triton.next_power_of_2(count))
+        chunks = triton.cdiv(count, chunk)
+        final = chunks == 1
+        keys = (
+            index if final else torch.empty(rows, chunks * k, dtype=torch.int64, device=pool.device)
+        )
+        _pool_topk_kernel[(rows, chunks)](
+            src, keys, scores, index, count, keep, src.stride(0), keys.stride(0),
+            CHUNK=chunk, K=k, FROM_SCORES=from_scores, FINAL=final,
+            num_warps=8 if chunk >= 2048 else 4,
+        )  # fmt: skip
+        if final:
+            return scores, index
+        src, count, from_scores = keys, chunks * k, False
+
+
+def topk_reference(pool: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pool_topk`` by a stable descending sort: (R, keep) scores and int64 positions."""
+    scores, index = pool.sort(dim=1, descending=True, stable=True)
+    return scores[:, :keep], index[:, :keep]
