@@ -150,7 +150,7 @@ def run_xgr(engine, cfg, length, beam_width, requests, reps, matmul_rate, device
         row["selection_ms_per_level"] = sel
         row["selection_ms"] = sum(sel)
         row["decode_forward_ms"] = row["decode_ms"] - row["selection_ms"]
-        # The same steps selecting their pools by torch.topk (the engine's earlier choice).
+        # The same steps selecting every pool by torch.topk (the engine's earlier choice).
         previous, step_module.POOL_TOPK = step_module.POOL_TOPK, "torch"
         try:
             row["selection_ms_per_level_torch_topk"] = selection_ms(

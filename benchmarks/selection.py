@@ -1,6 +1,6 @@
 """Selection per beam step on the GPU: the constrained beam step of each level, with each
-request's pool selected by Triton's chunked bitonic top-k (the engine's choice) and by
-``torch.topk``, side by side in one run.
+request's pool selected by Triton's chunked bitonic top-k, by ``torch.topk``, and by the
+engine's measured choice between them ("auto"), side by side in one run.
 
 A random catalog of 1M items (3 levels x 256 codes, as ``e2e_latency.py``): level 0 is the
 root's 256 codes, level 1 a dense table (each beam's 256 codes), level 2 a CSR level (a few
@@ -29,7 +29,7 @@ from xgr.beam import step as step_module  # noqa: E402
 
 BEAM_WIDTHS = (256, 512)
 REQUESTS = (1, 8)
-MODES = ("triton", "torch")
+MODES = ("auto", "triton", "torch")
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+from xgr.beam import step as step_module  # noqa: E402
 from xgr.beam.step import BeamState, constrained_beam_step, constrained_beam_step_triton  # noqa: E402
 from xgr.catalog import build_prefix_trie  # noqa: E402
 
@@ -23,7 +24,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize("layout", ["dense", "csr"])
-def test_triton_step_equals_reference(seed, layout):
+@pytest.mark.parametrize("pool_topk", ["triton", "torch"])
+def test_triton_step_equals_reference(monkeypatch, seed, layout, pool_topk):
+    monkeypatch.setattr(step_module, "POOL_TOPK", pool_topk)
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
     codebook = int(rng.integers(3, 40))

@@ -15,9 +15,15 @@ import torch
 from xgr.catalog.trie import TrieLevel
 
 NEG_INF = float("-inf")
-# How ``constrained_beam_step_triton`` selects each request's pool: "triton" (bitonic top-k
-# in chunks) or "torch" (``torch.topk``); benchmarks/e2e_latency.py times both.
-POOL_TOPK = "triton"
+# How ``constrained_beam_step_triton`` selects each request's pool: "auto" (the measured
+# choice below), "triton" (bitonic top-k in chunks) or "torch" (``torch.topk``).
+POOL_TOPK = "auto"
+# "auto" takes torch.topk for pools of at least this many times the beams kept. On an H200
+# (benchmarks/selection.py, results/selection-2026-11-29-h200.json, one request) the Triton
+# top-k won where torch.topk sorts the whole row (pools under 64 x k: the root's 256 codes,
+# 12.7 vs 31.4 us; the last level's 512 x 32 children, 71.7 vs 102.1 us at beam 512), and
+# lost to torch's radix select on the larger dense pools (512 x 256 codes: 119.5 vs 73.5 us).
+TORCH_TOPK_MIN_POOL_RATIO = 64
 
 
 @dataclass
@@ -121,8 +127,9 @@ def constrained_beam_step_triton(
     """``constrained_beam_step`` on code log-probabilities with Triton kernels.
 
     One kernel scores every beam's candidates (trie lookup, gather, mask), the request's
-    pool is selected by ``POOL_TOPK`` (Triton's bitonic top-k in chunks,
-    ``xgr.kernels.triton_topk.pool_topk``, or ``torch.topk``), one kernel resolves the
+    pool is selected as ``POOL_TOPK`` says (Triton's bitonic top-k in chunks,
+    ``xgr.kernels.triton_topk.pool_topk``, for pools under 64 x the beams kept, else
+    ``torch.topk``), one kernel resolves the
     winners' parents, codes and trie nodes. Same arguments and result as
     ``constrained_beam_step`` with ``level_token_ids=None`` (ties between equal scores go to
     the lower pool position); (R, B_prev, codebook_size) float32 ``log_probs`` with a
@@ -145,7 +152,10 @@ def constrained_beam_step_triton(
         beam_best, slot = cand.topk(k, dim=1)
         pool = beam_best.view(num_requests, prev_beams * k)
     keep = min(beam_width, prev_beams * k)
-    if POOL_TOPK == "triton":
+    use_triton = POOL_TOPK == "triton" or (
+        POOL_TOPK == "auto" and pool.shape[1] < TORCH_TOPK_MIN_POOL_RATIO * keep
+    )
+    if use_triton:
         scores, flat = pool_topk(pool, keep)
     else:
         scores, flat = pool.topk(keep, dim=1)
