@@ -249,12 +249,12 @@ def flash_varlen(q, k, v, cu_dev, max_seqlen, scale):
     return varlen_attn(q, k, v, cu_dev, cu_dev, max_seqlen, max_seqlen, **kwargs)
 
 
-def prefill(ceilings) -> list[dict]:
+def prefill(ceilings, prompt_lens=PROMPT_LENGTHS, requests_list=REQUESTS) -> list[dict]:
     """Packed causal prefill attention per layer: xgr's packed Triton launch (as
     ``prefill_attention`` runs it), PyTorch's packed flash attention and SDPA per prompt,
     each against the FLOP floor."""
     rows = []
-    for shape, length, requests in itertools.product(SHAPES, PROMPT_LENGTHS, REQUESTS):
+    for shape, length, requests in itertools.product(SHAPES, prompt_lens, requests_list):
         num_heads, num_kv_heads, head_dim = SHAPES[shape]
         total = length * requests
         q = torch.randn(total, num_heads, head_dim, device="cuda", dtype=DTYPE)
@@ -313,6 +313,7 @@ def main() -> None:
     parser.add_argument("--output", type=Path, required=True, help="JSON file to write")
     parser.add_argument("--sweep", action="store_true", help="tune launch parameters only")
     parser.add_argument("--prefill", action="store_true", help="time prefill attention only")
+    # Configuration filters (the decode table; --prefill reads the lengths and requests).
     parser.add_argument("--prompt-lens", type=int, nargs="*", default=PROMPT_LENGTHS)
     parser.add_argument("--beam-widths", type=int, nargs="*", default=BEAM_WIDTHS)
     parser.add_argument("--requests", type=int, nargs="*", default=REQUESTS)
@@ -331,7 +332,7 @@ def main() -> None:
         return
     ceilings = measure_ceilings()
     if args.prefill:
-        report.update(ceilings=ceilings, prefill=prefill(ceilings))
+        report.update(ceilings=ceilings, prefill=prefill(ceilings, args.prompt_lens, args.requests))
         args.output.write_text(json.dumps(report, indent=2) + "\n")
         return
     header = (

@@ -44,7 +44,8 @@ def test_triton_step_equals_reference(monkeypatch, seed, layout, pool_topk):
     log_probs[0, 0, int(rng.integers(codebook))] = float("nan")  # a broken model output
     state = BeamState(scores, nodes, torch.zeros_like(nodes), torch.zeros_like(nodes))
     on_device = BeamState(*(t.to(DEVICE) for t in (scores, nodes, nodes, nodes)))
-    for beam_width, top_k in ((4, 2), (8, codebook), (3 * prev * codebook, 1)):
+    # (1, 3): one beam kept from a pool of several (the top-k keeps 2, writes 1).
+    for beam_width, top_k in ((4, 2), (8, codebook), (3 * prev * codebook, 1), (1, 3)):
         expected = constrained_beam_step(
             state, log_probs, trie.levels[depth], None, beam_width, top_k
         )

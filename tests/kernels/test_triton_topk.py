@@ -36,6 +36,7 @@ def make_pool(rows, n, seed, ties=False):
     ("rows", "n", "keep", "chunk"),
     [
         (1, 1, 1, 32),
+        (2, 37, 1, 32),  # keep 1 of many (the kernel keeps 2)
         (2, 37, 5, 32),  # one round, padded chunk
         (3, 300, 8, 32),  # three rounds of chunks
         (2, 300, 20, 16),  # k (32) above the chunk size: chunks of 2k
@@ -54,6 +55,14 @@ def test_pool_topk_equals_a_stable_descending_sort(monkeypatch, rows, n, keep, c
     assert index.dtype == torch.int64
     assert torch.equal(scores, want_scores)
     assert torch.equal(index, want_index)
+
+
+def test_signed_zeros_tie():
+    """-0.0 and +0.0 are equal scores: they keep their pool order, as a stable sort does."""
+    pool = torch.tensor([[-0.0, 0.0, -0.0, 0.0, -1.0, float("-inf")]], device=DEVICE)
+    scores, index = pool_topk(pool, 5)
+    assert index.tolist() == [[0, 1, 2, 3, 4]]
+    assert torch.equal(scores, topk_reference(pool, 5)[0])
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="engine-size pools are slow under the interpreter")

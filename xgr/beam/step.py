@@ -19,10 +19,11 @@ NEG_INF = float("-inf")
 # choice below), "triton" (bitonic top-k in chunks) or "torch" (``torch.topk``).
 POOL_TOPK = "auto"
 # "auto" takes torch.topk for pools of at least this many times the beams kept. On an H200
-# (benchmarks/selection.py, results/selection-2026-11-29-h200.json, one request) the Triton
-# top-k won where torch.topk sorts the whole row (pools under 64 x k: the root's 256 codes,
-# 12.7 vs 31.4 us; the last level's 512 x 32 children, 71.7 vs 102.1 us at beam 512), and
-# lost to torch's radix select on the larger dense pools (512 x 256 codes: 119.5 vs 73.5 us).
+# (benchmarks/selection.py, results/selection-*-2026-11-29-h200.json, beams 256 and 512)
+# the Triton top-k won on the smaller pools (the root's 256 codes: 12.7 vs 31.4 us; the last
+# level's 512 x 32 children: 71.7 vs 102.1 us at beam 512) and lost on the dense level's
+# (512 x 256 codes: 119.5 vs 73.5 us; 256 x 256: 81.7 vs 66.3 us); this ratio separates
+# every measured case. Beams above 512 are unmeasured.
 TORCH_TOPK_MIN_POOL_RATIO = 64
 
 
@@ -131,9 +132,13 @@ def constrained_beam_step_triton(
     ``xgr.kernels.triton_topk.pool_topk``, for pools under 64 x the beams kept, else
     ``torch.topk``), one kernel resolves the
     winners' parents, codes and trie nodes. Same arguments and result as
-    ``constrained_beam_step`` with ``level_token_ids=None`` (ties between equal scores go to
-    the lower pool position); (R, B_prev, codebook_size) float32 ``log_probs`` with a
-    contiguous last dimension.
+    ``constrained_beam_step`` with ``level_token_ids=None`` (the order among exactly equal
+    scores is the top-k's: the lower pool position first for the Triton one, unspecified for
+    ``torch.topk``); (R, B_prev, codebook_size) float32 ``log_probs`` with a contiguous last
+    dimension.
+
+    Raises:
+        ValueError: ``POOL_TOPK`` is not "auto", "triton" or "torch".
     """
     from xgr.kernels.triton_beam import gather_selected, score_candidates
     from xgr.kernels.triton_topk import pool_topk
@@ -152,6 +157,8 @@ def constrained_beam_step_triton(
         beam_best, slot = cand.topk(k, dim=1)
         pool = beam_best.view(num_requests, prev_beams * k)
     keep = min(beam_width, prev_beams * k)
+    if POOL_TOPK not in ("auto", "triton", "torch"):
+        raise ValueError(f"POOL_TOPK must be 'auto', 'triton' or 'torch', got {POOL_TOPK!r}")
     use_triton = POOL_TOPK == "triton" or (
         POOL_TOPK == "auto" and pool.shape[1] < TORCH_TOPK_MIN_POOL_RATIO * keep
     )

@@ -187,8 +187,9 @@ class CudaGraphs:
     def prefill_accepts(self, inputs) -> bool:
         """Whether a batch's prefill replays a graph (else: eager, logged).
 
-        Several requests need the packed attention launch (fp16/bf16) to share one padded buffer;
-        a float32 batch of several requests prefills eagerly (without a log line: expected).
+        Several requests share one padded buffer through the packed attention launch (used
+        for fp16/bf16); a float32 batch of several requests prefills eagerly (without a log
+        line: expected).
         """
         if self.prefill_key(inputs.seqlens) is not None:
             return True
@@ -340,8 +341,8 @@ class CudaGraphs:
 
     def _eager_kind(self, num_requests: int) -> bool:
         """Prefills that never replay a graph, whatever their size: several float32 prompts
-        of a decoder-only model (the packed attention launch needs fp16/bf16 to share one padded
-        buffer; an encoder pads each prompt to its own slot and needs no such kernel)."""
+        of a decoder-only model (the packed attention launch, used for fp16/bf16, shares one
+        padded buffer; an encoder pads each prompt to its own slot and needs no such kernel)."""
         float32 = self.model.lm_head.weight.dtype == torch.float32
         return not self.model.is_encoder_decoder and num_requests > 1 and float32
 

@@ -19,11 +19,15 @@ launch: their prompt lengths are device tensors.
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 
 # The packed launch is preferred for batches of prompts at most this long (tokens).
 PACKED_MAX_SEQLEN = 1024
+# Head sizes the packed launch takes (its 128 x 64 tiles spill registers at 256).
+PACKED_HEAD_DIMS = (16, 32, 64, 128)
 
 
 def prefill_attention_reference(
@@ -50,8 +54,14 @@ def prefill_attention_reference(
 
 
 def packed_available(q: torch.Tensor) -> bool:
-    """Whether the packed Triton launch can run on q (CUDA, fp16/bf16)."""
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    """Whether the packed Triton launch is used for q: CUDA, fp16/bf16, a head_dim in
+    ``PACKED_HEAD_DIMS`` and Triton installed."""
+    return (
+        q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and q.shape[-1] in PACKED_HEAD_DIMS
+        and importlib.util.find_spec("triton") is not None
+    )
 
 
 def prefer_packed(q: torch.Tensor, num_prompts: int, max_seqlen: int) -> bool:
@@ -83,14 +93,17 @@ def prefill_attention(
         (total_tokens, num_heads, head_dim) in q's dtype.
 
     Raises:
-        ValueError: packed=True where the packed launch cannot run (off CUDA, float32).
+        ValueError: packed=True where the packed launch is not used (see ``packed_available``).
     """
     if max_seqlen is None:
         max_seqlen = max(b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True))
     if packed is None:
         packed = prefer_packed(q, len(cu_seqlens) - 1, max_seqlen)
     elif packed and not packed_available(q):
-        raise ValueError(f"packed prefill attention needs CUDA fp16/bf16, got {q.device} {q.dtype}")
+        raise ValueError(
+            "packed prefill attention needs CUDA fp16/bf16, head_dim in "
+            f"{PACKED_HEAD_DIMS} and Triton; got {q.device} {q.dtype} head_dim {q.shape[-1]}"
+        )
     if not packed:
         return prefill_attention_reference(q, k, v, cu_seqlens, scale)
     if cu_seqlens_device is None:

@@ -1,10 +1,10 @@
 """Triton top-k of each request's candidate pool: the selection of a beam step.
 
-``torch.topk`` with k = 512 is slow for the pools of a semantic-ID beam step: for a pool
-under 64 x k entries (the last level's 512 beams x <= 32 children = 16,384) it sorts the
-whole row, and for a larger one (512 x 256 codes) it runs a radix select in one thread block
-per row. H200 (``benchmarks/e2e_latency.py``, beam 512): 102-107 us for the last level's step,
-75 us for the dense level's.
+``torch.topk`` with k = 512 was slow on some pools of a semantic-ID beam step: on an H200
+(``benchmarks/e2e_latency.py``, beam 512) the last level's step (512 beams x <= 32 children
+= 16,384 candidates) took 102-107 us, the dense level's (512 x 256 codes) 75 us, the root's
+(256 codes) 31 us. ``benchmarks/selection.py`` times both; ``xgr.beam.step`` picks by pool
+size.
 
 Here each program takes a chunk of a row, packs every score with its position into one
 int64 key and keeps the chunk's top k with Triton's bitonic top-k (``tl.topk``, after
@@ -37,8 +37,9 @@ def _pool_topk_kernel(
     FROM_SCORES: IN holds float32 scores (packed here), else the previous round's keys.
     FINAL: write the first ``keep`` winners unpacked (score, position); else K keys.
     """
-    r = tl.program_id(0)
-    c = tl.program_id(1)
+    # 64-bit offsets: rows x pool entries may pass 2**31.
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1).to(tl.int64)
     offs = c * CHUNK + tl.arange(0, CHUNK).to(tl.int64)
     ok = offs < n_in
     if FROM_SCORES:
@@ -46,6 +47,7 @@ def _pool_topk_kernel(
         bits = score.to(tl.int32, bitcast=True)
         # Order-preserving: a negative float's magnitude bits flip, so int order = float order.
         ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+        ordered = tl.where(score == 0.0, 0, ordered)  # -0.0 ties with +0.0
         # Lower positions rank first among equal scores (a stable descending sort).
         key = (ordered.to(tl.int64) << 32) | (0xFFFFFFFF - offs)
         key = tl.where(ok, key, -9223372036854775808)
@@ -85,7 +87,8 @@ def pool_topk(pool: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor
     if n >= 2**32:
         raise ValueError(f"pools of {n} entries are beyond the 32-bit positions of the keys")
     pool = pool.contiguous()
-    k = triton.next_power_of_2(keep)
+    # tl.topk needs k >= 2 (k = 1 reduces to a scalar); keep <= k entries are written.
+    k = max(2, triton.next_power_of_2(keep))
     scores = torch.empty(rows, keep, dtype=torch.float32, device=pool.device)
     index = torch.empty(rows, keep, dtype=torch.int64, device=pool.device)
     if rows == 0:
@@ -93,7 +96,7 @@ def pool_topk(pool: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor
     src, count, from_scores = pool, n, True
     while True:
         # A chunk holds at least 2k entries, so every round at least halves the pool.
-        chunk = min(max(TOPK_CHUNK, 2 * k), triton.next_power_of_2(count))
+        chunk = max(k, min(max(TOPK_CHUNK, 2 * k), triton.next_power_of_2(count)))
         chunks = triton.cdiv(count, chunk)
         final = chunks == 1
         keys = (
