@@ -318,6 +318,8 @@ def main() -> None:
     parser.add_argument("--beam-widths", type=int, nargs="*", default=BEAM_WIDTHS)
     parser.add_argument("--requests", type=int, nargs="*", default=REQUESTS)
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("this benchmark needs a CUDA GPU (it times CUDA-graph replays)")
     report = {
         "benchmark": "decode attention per layer per step (last step of 3, 2 beam tokens)",
         "date": datetime.date.today().isoformat(),

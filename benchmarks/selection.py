@@ -1,6 +1,8 @@
-"""Selection per beam step on the GPU: the constrained beam step of each level, with each
-request's pool selected by Triton's chunked bitonic top-k, by ``torch.topk``, and by the
-engine's measured choice between them ("auto"), side by side in one run.
+"""Beam-step selection time per level on the GPU, Triton vs torch.topk pool top-k.
+
+The constrained beam step of each level, with each request's pool selected by Triton's
+chunked bitonic top-k, by ``torch.topk``, and by the engine's measured choice between them
+("auto"), side by side in one run.
 
 A random catalog of 1M items (3 levels x 256 codes, as ``e2e_latency.py``): level 0 is the
 root's 256 codes, level 1 a dense table (each beam's 256 codes), level 2 a CSR level (a few
@@ -37,6 +39,8 @@ def main() -> None:
     parser.add_argument("--output", type=Path, required=True)
     parser.add_argument("--items", type=int, default=1_000_000)
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("this benchmark needs a CUDA GPU (it times CUDA-graph replays)")
     trie = random_catalog(args.items, 3).trie.to("cuda")
     rows = []
     print(
