@@ -12,7 +12,8 @@ replays (as the engine's decode runs); the "eager" column is the same call launc
 Python, host launch cost included. ``--sweep`` times tile/split choices on two shapes;
 ``--prefill`` times the packed causal prefill attention (xgr's packed Triton kernel, which
 the engine uses for several prompts, against PyTorch's packed flash attention and SDPA per
-prompt).
+prompt); ``--encoder`` the T5 encoder attention (xgr's Triton kernel with the position bias
+read per offset, against SDPA with the square mask the engine runs today).
 
     python benchmarks/attention.py --output benchmarks/results/attention.json
 """
@@ -308,11 +309,63 @@ def prefill(ceilings, prompt_lens=PROMPT_LENGTHS, requests_list=REQUESTS) -> lis
     return rows
 
 
+# T5 encoder attention shapes (heads, d_kv) of t5_latency.py: OneRec-like and TIGER-size.
+ENCODER_SHAPES = {"t5-onerec-like": (16, 64), "t5-tiger": (6, 64)}
+ENCODER_LENGTHS = (256, 1024)
+
+
+def encoder(ceilings, requests_list=REQUESTS) -> list[dict]:
+    """T5 encoder self-attention per layer over prompts padded to one length: xgr's Triton
+    kernel (bias read per offset) against SDPA with the square bias + padding mask (what the
+    engine's encoder graph runs), each prompt one token short of the padded length."""
+    from xgr.kernels.encoder_attention import padded_biased_attention_reference
+    from xgr.kernels.triton_encoder_attention import padded_biased_attention
+    from xgr.layers.relative_position import offset_position_bias
+
+    rows = []
+    for (shape, (heads, dim)), length, slots in itertools.product(
+        ENCODER_SHAPES.items(), ENCODER_LENGTHS, requests_list
+    ):
+        qkv = torch.randn(slots * length, 3, heads, dim, device="cuda", dtype=DTYPE)
+        q, k, v = qkv.unbind(1)
+        lengths = torch.full((slots,), length - 1, device="cuda")
+        table = torch.randn(32, heads, device="cuda", dtype=DTYPE)
+        bias = offset_position_bias(table, length, True, 128)
+        args = (q, k, v, lengths, bias, length)
+        sdpa_ms = bench(lambda a=args: padded_biased_attention_reference(*a), calls=2)
+        triton_ms = bench(lambda a=args: padded_biased_attention(*a), calls=2)
+        ref = padded_biased_attention_reference(*(t.float() for t in args[:3]), *args[3:]).float()
+        out = padded_biased_attention(*args).float()
+        real = torch.arange(slots * length, device="cuda") % length < length - 1
+        err = ((out - ref)[real].norm() / ref[real].norm()).item()
+        flops = slots * 4 * length * length * heads * dim
+        floor_ms = 1e3 * flops / ceilings["bf16_matmul_flop_per_s"]
+        rows.append(
+            {
+                "shape": shape,
+                "padded_len": length,
+                "prompts": slots,
+                "triton_ms": triton_ms,
+                "sdpa_square_mask_ms": sdpa_ms,
+                "flops": flops,
+                "roofline_fraction": floor_ms / triton_ms,
+                "rel_err": err,
+            }
+        )
+        print(
+            f"encoder {shape:<15}{length:>6}{slots:>3} triton {triton_ms * 1e3:8.1f} us"
+            f" sdpa+mask {sdpa_ms * 1e3:8.1f} us err {err:.1e}",
+            flush=True,
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", type=Path, required=True, help="JSON file to write")
     parser.add_argument("--sweep", action="store_true", help="tune launch parameters only")
     parser.add_argument("--prefill", action="store_true", help="time prefill attention only")
+    parser.add_argument("--encoder", action="store_true", help="time T5 encoder attention only")
     # Configuration filters (the decode table; --prefill reads the lengths and requests).
     parser.add_argument("--prompt-lens", type=int, nargs="*", default=PROMPT_LENGTHS)
     parser.add_argument("--beam-widths", type=int, nargs="*", default=BEAM_WIDTHS)
@@ -333,6 +386,10 @@ def main() -> None:
         args.output.write_text(json.dumps(report, indent=2) + "\n")
         return
     ceilings = measure_ceilings()
+    if args.encoder:
+        report.update(ceilings=ceilings, encoder=encoder(ceilings, args.requests))
+        args.output.write_text(json.dumps(report, indent=2) + "\n")
+        return
     if args.prefill:
         report.update(ceilings=ceilings, prefill=prefill(ceilings, args.prompt_lens, args.requests))
         args.output.write_text(json.dumps(report, indent=2) + "\n")

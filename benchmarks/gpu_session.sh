@@ -5,7 +5,8 @@
 #
 #   bash benchmarks/gpu_session.sh tests       # GPU-only tests (kernels, graphs, streams)
 #   bash benchmarks/gpu_session.sh attention   # decode attention table
-#   bash benchmarks/gpu_session.sh prefill     # prefill attention: flash varlen, Triton, SDPA
+#   bash benchmarks/gpu_session.sh prefill     # prefill attention: Triton, flash varlen, SDPA;
+#                                               T5 encoder attention: Triton, SDPA + mask
 #   bash benchmarks/gpu_session.sh e2e         # whole-request latency table + HF
 #   bash benchmarks/gpu_session.sh profile     # kernel time of one request (L=1000, 5000)
 #   bash benchmarks/gpu_session.sh t5          # T5 shapes: one request, xgr vs HF (+ profile)
@@ -32,6 +33,8 @@ case "${1:?phase: tests|attention|prefill|e2e|profile|t5|bf16|serving}" in
   prefill)
     timeout 300 python3 benchmarks/attention.py --prefill --output "$OUT/attention-prefill.json" \
       2>&1 | tail -20
+    timeout 200 python3 benchmarks/attention.py --encoder --output "$OUT/attention-encoder.json" \
+      2>&1 | tail -10
     ;;
   e2e)
     timeout 540 python3 benchmarks/e2e_latency.py --output "$OUT/e2e.json" 2>&1 | tail -46

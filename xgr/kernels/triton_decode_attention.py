@@ -46,13 +46,18 @@ def _attend_prompt_tile(
     MASK: tl.constexpr,
     rows,
     CAUSAL: tl.constexpr,
+    BIAS: tl.constexpr,
+    bias,
 ):
     """One online-softmax update of all rows with prompt tokens kv .. kv + BLOCK_N.
 
     MASK: the tile may run past ``end`` (only a split's last tile); full tiles skip the
     bounds checks, which otherwise cost a select per score in the inner loop.
     CAUSAL (with MASK): also mask each key after its query row, ``rows`` being the rows'
-    token positions (the diagonal tiles of ``triton_prefill_attention``); unread otherwise.
+    token positions (the diagonal tiles of ``triton_prefill_attention``).
+    BIAS: add ``bias[key - row]`` to each score (T5's relative position bias by offset,
+    ``triton_encoder_attention``; ``bias`` points at offset 0, rows and keys below ``end``
+    read within it). ``rows`` and ``bias`` are unread when neither flag is set.
     """
     offs = kv + tl.arange(0, BLOCK_N)
     kv_off = offs[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
@@ -62,6 +67,10 @@ def _attend_prompt_tile(
     else:
         k = tl.load(K + kv_off)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if BIAS:
+        # Keys past the end (masked below) read the last key's bias: within the table.
+        cols = tl.minimum(offs, end - 1) if MASK else offs
+        s += tl.load(bias + cols[None, :] - rows[:, None]).to(tl.float32)
     if CAUSAL:
         s = tl.where((offs[None, :] <= rows[:, None]) & ok[None, :], s, float("-inf"))
     elif MASK:
@@ -137,20 +146,20 @@ def _beam_decode_attention_kernel(
             for kv in range(lo, full, BLOCK_N):
                 m_i, l_i, acc = _attend_prompt_tile(
                     q, K, V, kv, hi, kv_head, stride_kt, stride_kh, d, m_i, l_i, acc,
-                    scale_log2, BLOCK_N, PRECISION, False, 0, False,
+                    scale_log2, BLOCK_N, PRECISION, False, 0, False, False, 0,
                 )  # fmt: skip
         else:  # Triton's interpreter cannot take loaded values as range() bounds
             kv = lo
             while kv < full:
                 m_i, l_i, acc = _attend_prompt_tile(
                     q, K, V, kv, hi, kv_head, stride_kt, stride_kh, d, m_i, l_i, acc,
-                    scale_log2, BLOCK_N, PRECISION, False, 0, False,
+                    scale_log2, BLOCK_N, PRECISION, False, 0, False, False, 0,
                 )  # fmt: skip
                 kv += BLOCK_N
         if full < hi:
             m_i, l_i, acc = _attend_prompt_tile(
                 q, K, V, full, hi, kv_head, stride_kt, stride_kh, d, m_i, l_i, acc,
-                scale_log2, BLOCK_N, PRECISION, True, 0, False,
+                scale_log2, BLOCK_N, PRECISION, True, 0, False, False, 0,
             )  # fmt: skip
     else:
         # Merge the splits (split 0 always holds tokens: every prompt has at least one).

@@ -58,25 +58,25 @@ def _prefill_attention_kernel(
             for kv in range(0, q_lo, BLOCK_N):
                 m_i, l_i, acc = _attend_prompt_tile(
                     q, K_seq, V_seq, kv, length, kv_head, stride_kt, stride_kh, d,
-                    m_i, l_i, acc, scale_log2, BLOCK_N, PRECISION, False, rows, False,
+                    m_i, l_i, acc, scale_log2, BLOCK_N, PRECISION, False, rows, False, False, 0,
                 )  # fmt: skip
             for kv in range(q_lo, diagonal_end, BLOCK_N):
                 m_i, l_i, acc = _attend_prompt_tile(
                     q, K_seq, V_seq, kv, length, kv_head, stride_kt, stride_kh, d,
-                    m_i, l_i, acc, scale_log2, BLOCK_N, PRECISION, True, rows, True,
+                    m_i, l_i, acc, scale_log2, BLOCK_N, PRECISION, True, rows, True, False, 0,
                 )  # fmt: skip
         else:  # Triton's interpreter takes no tensor bounds in range()
             kv = 0
             while kv < q_lo:
                 m_i, l_i, acc = _attend_prompt_tile(
                     q, K_seq, V_seq, kv, length, kv_head, stride_kt, stride_kh, d,
-                    m_i, l_i, acc, scale_log2, BLOCK_N, PRECISION, False, rows, False,
+                    m_i, l_i, acc, scale_log2, BLOCK_N, PRECISION, False, rows, False, False, 0,
                 )  # fmt: skip
                 kv += BLOCK_N
             while kv < diagonal_end:
                 m_i, l_i, acc = _attend_prompt_tile(
                     q, K_seq, V_seq, kv, length, kv_head, stride_kt, stride_kh, d,
-                    m_i, l_i, acc, scale_log2, BLOCK_N, PRECISION, True, rows, True,
+                    m_i, l_i, acc, scale_log2, BLOCK_N, PRECISION, True, rows, True, False, 0,
                 )  # fmt: skip
                 kv += BLOCK_N
         # Every row saw key q_lo at least (l_i > 0); rows past the prompt's end are not stored.

@@ -90,10 +90,21 @@ def square_position_bias(
     Returns:
         (num_heads, length, length) contiguous, in the table's dtype.
     """
-    offsets = torch.arange(1 - length, length, device=table.device)
-    buckets = relative_position_bucket(offsets, bidirectional, table.shape[0], max_distance)
-    # (H, 2 * length - 1): column m holds offset m - (length - 1).
-    per_offset = table[buckets].T.contiguous()
+    per_offset = offset_position_bias(table, length, bidirectional, max_distance)
     # view[h, a, j] = per_offset[h, a + j]; row a = length - 1 - i holds query i (offset j - i).
     view = per_offset.as_strided((table.shape[1], length, length), (2 * length - 1, 1, 1))
     return view.flip(1)
+
+
+def offset_position_bias(
+    table: torch.Tensor, length: int, bidirectional: bool, max_distance: int
+) -> torch.Tensor:
+    """The bias of each key - query offset between positions 0..length-1.
+
+    Returns:
+        (num_heads, 2 * length - 1) contiguous, in the table's dtype: column m holds offset
+        m - (length - 1).
+    """
+    offsets = torch.arange(1 - length, length, device=table.device)
+    buckets = relative_position_bucket(offsets, bidirectional, table.shape[0], max_distance)
+    return table[buckets].T.contiguous()

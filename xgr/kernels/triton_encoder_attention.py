@@ -1,0 +1,137 @@
+"""Triton encoder self-attention with T5's relative position bias, over padded prompts.
+
+One program computes BLOCK_M query rows of one head of one prompt with the online softmax
+of FlashAttention (Dao et al., 2022), each tile's update being the decode kernel's
+(``triton_decode_attention._attend_prompt_tile`` in its bias mode): the bias of each score
+is read from the head's 2P - 1 per-offset values instead of a (heads, P, P) mask, and keys
+past the prompt's length (read from the device) are masked. The reference, and what the
+engine runs today, is ``xgr.kernels.encoder_attention.padded_biased_attention_reference``
+(SDPA with the square mask); this kernel is timed against it by
+``benchmarks/attention.py --encoder`` before any engine path uses it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from xgr.kernels.triton_decode_attention import LOG2E, _attend_prompt_tile
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+
+
+@triton.jit
+def _padded_biased_attention_kernel(
+    Q, K, V, LENGTHS, BIAS, OUT,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_bh,
+    padded_len, scale_log2,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    FOR_LOOP: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Grid: (query blocks of P, heads, prompts)."""
+    head = tl.program_id(1)
+    slot = tl.program_id(2)
+    start = slot.to(tl.int64) * padded_len
+    length = tl.load(LENGTHS + slot).to(tl.int32)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < padded_len
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        Q + (start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
+        mask=row_ok[:, None], other=0.0,
+    )  # fmt: skip
+    # Rows past P (a partial last block) take row P - 1's bias: read in bounds, never stored.
+    bias_rows = tl.minimum(rows, padded_len - 1)
+    bias = BIAS + head * stride_bh + padded_len - 1  # offset 0
+    K_seq = K + start * stride_kt
+    V_seq = V + start * stride_kt
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    full = length // BLOCK_N * BLOCK_N
+    if FOR_LOOP:  # compiled: a for loop is software-pipelined
+        for kv in range(0, full, BLOCK_N):
+            m_i, l_i, acc = _attend_prompt_tile(
+                q, K_seq, V_seq, kv, length, head, stride_kt, stride_kh, d, m_i, l_i, acc,
+                scale_log2, BLOCK_N, PRECISION, False, bias_rows, False, True, bias,
+            )  # fmt: skip
+    else:  # Triton's interpreter cannot take loaded values as range() bounds
+        kv = 0
+        while kv < full:
+            m_i, l_i, acc = _attend_prompt_tile(
+                q, K_seq, V_seq, kv, length, head, stride_kt, stride_kh, d, m_i, l_i, acc,
+                scale_log2, BLOCK_N, PRECISION, False, bias_rows, False, True, bias,
+            )  # fmt: skip
+            kv += BLOCK_N
+    if full < length:
+        m_i, l_i, acc = _attend_prompt_tile(
+            q, K_seq, V_seq, full, length, head, stride_kt, stride_kh, d, m_i, l_i, acc,
+            scale_log2, BLOCK_N, PRECISION, True, bias_rows, False, True, bias,
+        )  # fmt: skip
+    out = acc / l_i[:, None]
+    o_ptr = OUT + (start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :]
+    tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+
+
+def padded_biased_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor,
+    bias_by_offset: torch.Tensor,
+    padded_len: int,
+    scale: float = 1.0,
+    block_m: int = 64,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """``padded_biased_attention_reference`` in one Triton launch.
+
+    Args:
+        q, k, v: (S * P, num_heads, head_dim) fp16/bf16/fp32, last dimension contiguous,
+            k and v with equal strides (views of a fused q/k/v projection are fine).
+        lengths: (S,) int32/int64 prompt lengths on q's device, each in [1, P] (unchecked:
+            a device read would synchronize).
+        bias_by_offset: (num_heads, 2 * P - 1), last dimension contiguous.
+        padded_len: P. scale: softmax scale.
+        block_m, block_n, num_warps, num_stages: launch parameters.
+
+    Returns:
+        (S * P, num_heads, head_dim) in q's dtype; accumulation is float32.
+
+    Raises:
+        ValueError: shapes, strides or head sizes that do not fit.
+    """
+    if q.dim() != 3 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} differ")
+    rows, heads, head_dim = q.shape
+    if padded_len < 1 or rows % padded_len:
+        raise ValueError(f"{rows} rows are not prompts padded to {padded_len}")
+    slots = rows // padded_len
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim} is not one of {SUPPORTED_HEAD_DIMS}")
+    if k.stride() != v.stride() or q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("q, k, v need a contiguous last dimension and k, v equal strides")
+    if lengths.shape != (slots,) or lengths.device != q.device:
+        raise ValueError(f"lengths must be ({slots},) on {q.device}, got {tuple(lengths.shape)}")
+    if bias_by_offset.shape != (heads, 2 * padded_len - 1) or bias_by_offset.stride(-1) != 1:
+        raise ValueError(
+            f"bias_by_offset must be ({heads}, {2 * padded_len - 1}) with a contiguous last "
+            f"dimension, got {tuple(bias_by_offset.shape)}"
+        )
+    out = torch.empty(rows, heads, head_dim, dtype=q.dtype, device=q.device)
+    if rows == 0:
+        return out
+    grid = (triton.cdiv(padded_len, block_m), heads, slots)
+    _padded_biased_attention_kernel[grid](
+        q, k, v, lengths, bias_by_offset, out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1),
+        bias_by_offset.stride(0), padded_len, scale * LOG2E,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, FOR_LOOP=q.is_cuda,
+        # float32 stays float32 on tensor cores (no tf32), as the other kernels.
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out
