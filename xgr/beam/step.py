@@ -130,8 +130,8 @@ def constrained_beam_step_triton(
     One kernel scores every beam's candidates (trie lookup, gather, mask), the request's
     pool is selected as ``POOL_TOPK`` says (Triton's bitonic top-k in chunks,
     ``xgr.kernels.triton_topk.pool_topk``, for pools under 64 x the beams kept, else
-    ``torch.topk``), one kernel resolves the
-    winners' parents, codes and trie nodes. Same arguments and result as
+    ``torch.topk``), one kernel resolves the winners' parents, codes and trie nodes. Same
+    arguments and result as
     ``constrained_beam_step`` with ``level_token_ids=None`` (the order among exactly equal
     scores is the top-k's: the lower pool position first for the Triton one, unspecified for
     ``torch.topk``); (R, B_prev, codebook_size) float32 ``log_probs`` with a contiguous last

@@ -22,8 +22,6 @@ import triton.language as tl
 
 # Pool entries per program: 4096 int64 keys in registers, and few rounds for 512 x 256 pools.
 TOPK_CHUNK = 4096
-# Packed keys of positions past a pool's end: below every real key, -inf included.
-_PAD_KEY = -(2**63)
 
 
 @triton.jit
@@ -50,6 +48,7 @@ def _pool_topk_kernel(
         ordered = tl.where(score == 0.0, 0, ordered)  # -0.0 ties with +0.0
         # Lower positions rank first among equal scores (a stable descending sort).
         key = (ordered.to(tl.int64) << 32) | (0xFFFFFFFF - offs)
+        # Positions past the pool's end get the int64 minimum: below every real key, -inf too.
         key = tl.where(ok, key, -9223372036854775808)
     else:
         key = tl.load(IN + r * stride_in + offs, mask=ok, other=-9223372036854775808)
