@@ -11,6 +11,9 @@ and of the decode levels, and peak GPU memory. HF ``T5ForConditionalGeneration.g
 runs on the same weights for the configurations in ``HF_CONFIGS``, with the speed-up, the
 peak-memory ratio and the top-10 overlap of the two.
 
+``--encoder-attention triton`` runs the encoder's CUDA graph with xgr's Triton attention
+(position bias read per offset) instead of SDPA with the square mask.
+
 With ``--profile`` it also prints (and stores in the JSON) the kernels of the last HF
 configuration's request, eager so that the profiler sees each kernel: device time per kernel
 family and the top kernels, for the encoder and for the decode levels.
@@ -39,6 +42,7 @@ from e2e_latency import CODEBOOK, hf_generate, random_catalog, sid_token_map  # 
 from timing import time_recommend  # noqa: E402
 
 from xgr import Engine  # noqa: E402
+from xgr.models import t5 as t5_module  # noqa: E402
 
 LEVELS = 3
 SPECIAL_TOKENS = 2  # pad (also the decoder start token) and eos
@@ -131,11 +135,18 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES))
     parser.add_argument("--no-hf", action="store_true", help="skip HF transformers")
     parser.add_argument(
+        "--encoder-attention",
+        choices=("sdpa", "triton"),
+        default=t5_module.ENCODER_ATTENTION,
+        help="the encoder graph's attention (xgr.models.t5.ENCODER_ATTENTION)",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="also profile the kernels of the last HF configuration's request",
     )
     args = parser.parse_args()
+    t5_module.ENCODER_ATTENTION = args.encoder_attention
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
     if args.tiny:
@@ -153,6 +164,7 @@ def main() -> None:
         "catalog_items": items,
         "levels": LEVELS,
         "codebook": CODEBOOK,
+        "encoder_attention": args.encoder_attention,
         "results": [],
     }
     catalog = random_catalog(items, LEVELS)

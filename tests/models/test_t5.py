@@ -23,6 +23,7 @@ from xgr.layers.relative_position import (
     square_position_bias,
 )
 from xgr.models import CausalLM, T5Config, T5Seq2SeqLM, load_causal_lm, load_model, load_t5
+from xgr.models import t5 as t5_module
 from xgr.models.t5 import EncDecDecodeMetadata
 
 # (feed_forward_proj, tied head)
@@ -116,9 +117,14 @@ def test_forward_matches_hf(t5_dirs, variant):
 
 @pytest.mark.parametrize("variant", [("relu", True), ("gated-gelu", False)])
 @pytest.mark.parametrize("fused", [False, True])
-def test_padded_encoder_equals_the_packed_one(t5_dirs, variant, fused):
-    """The CUDA graphs' encoder (prompts padded to one length, masked; fused projections)
-    against the packed per-prompt reference, on the CPU: same encoder output and K/V."""
+@pytest.mark.parametrize("attention", ["sdpa", "triton"])
+def test_padded_encoder_equals_the_packed_one(monkeypatch, t5_dirs, variant, fused, attention):
+    """The CUDA graphs' encoder (prompts padded to one length, masked; fused projections;
+    SDPA with the square mask or the Triton kernel, interpreted on the CPU) against the
+    packed per-prompt reference: same encoder output and K/V."""
+    if attention == "triton":
+        pytest.importorskip("triton")
+    monkeypatch.setattr(t5_module, "ENCODER_ATTENTION", attention)
     model = load_t5(t5_dirs[variant], "cpu", "float32")
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (7, 1, 30, 12)]

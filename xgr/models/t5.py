@@ -26,9 +26,19 @@ import torch
 from torch import nn
 
 from xgr.kv import BeamKV, SharedKV
-from xgr.layers.relative_position import relative_position_bias, square_position_bias
+from xgr.layers.relative_position import (
+    offset_position_bias,
+    relative_position_bias,
+    square_position_bias,
+)
 from xgr.models.config import T5Config
 from xgr.models.t5_blocks import EncDecDecodeMetadata, T5Stack, residual_stack
+
+# The attention of ``encode_padded`` (the encoder's CUDA graph): "sdpa", PyTorch SDPA with the
+# square (S, heads, P, P) bias + padding mask (measured, the default), or "triton", xgr's
+# kernel reading the bias per key - query offset (tested, not yet timed on the GPU:
+# benchmarks/attention.py --encoder and t5_latency.py --encoder-attention time it).
+ENCODER_ATTENTION = "sdpa"
 
 __all__ = ["EncDecDecodeMetadata", "T5Seq2SeqLM"]
 
@@ -105,9 +115,9 @@ class T5Seq2SeqLM(nn.Module):
         fixed by (S, P) and the prompts' lengths read from the device.
 
         Each prompt attends over its own P slots with -inf at its padding keys, so its
-        tokens' results equal ``encode``'s; one batched attention replaces the per-prompt
-        loop (and its host offsets). The output returns to ``encode``'s packed order
-        before the cross-attention K/V are written.
+        tokens' results equal ``encode``'s; one batched attention (``ENCODER_ATTENTION``)
+        replaces the per-prompt loop (and its host offsets). The output returns to
+        ``encode``'s packed order before the cross-attention K/V are written.
 
         Args:
             tokens: (S * P,) int64; the prompts packed from index 0 (``lengths.sum()``
@@ -120,20 +130,34 @@ class T5Seq2SeqLM(nn.Module):
         Returns:
             (S * P, d_model) encoder output in packed order; rows from ``lengths.sum()``
             on are padding.
+
+        Raises:
+            ValueError: ``ENCODER_ATTENTION`` is not "sdpa" or "triton".
         """
+        if ENCODER_ATTENTION not in ("sdpa", "triton"):
+            raise ValueError(f"ENCODER_ATTENTION must be 'sdpa' or 'triton': {ENCODER_ATTENTION!r}")
         slots, device = lengths.shape[0], tokens.device
         pos = torch.arange(padded_len, device=device)
         starts = torch.cumsum(lengths, 0) - lengths
         # Padding slots repeat their prompt's last token: a valid id; masked as keys.
         gather = starts[:, None] + torch.minimum(pos[None, :], lengths[:, None] - 1)
         x = self.shared(tokens[gather.reshape(-1)])
-        bias = self._encoder_bias(padded_len)
-        keep = pos[None, :] < lengths[:, None]  # (S, P)
-        padding = torch.zeros(keep.shape, dtype=x.dtype, device=device).masked_fill_(
-            ~keep, float("-inf")
-        )
-        mask = bias[None] + padding[:, None, None, :]  # (S, H, P, P)
-        encoded = self._run_encoder(x, lambda attn, h: attn.bidirectional_padded(h, mask))
+        if ENCODER_ATTENTION == "triton":
+            bias = offset_position_bias(
+                self.encoder.position_bias_table, padded_len, True,
+                self.config.relative_attention_max_distance,
+            )  # fmt: skip
+            encoded = self._run_encoder(
+                x, lambda attn, h: attn.bidirectional_by_offset(h, lengths, bias, padded_len)
+            )
+        else:
+            bias = self._encoder_bias(padded_len)
+            keep = pos[None, :] < lengths[:, None]  # (S, P)
+            padding = torch.zeros(keep.shape, dtype=x.dtype, device=device).masked_fill_(
+                ~keep, float("-inf")
+            )
+            mask = bias[None] + padding[:, None, None, :]  # (S, H, P, P)
+            encoded = self._run_encoder(x, lambda attn, h: attn.bidirectional_padded(h, mask))
         # Packed token t of prompt r sits at padded row r * P + (t - starts[r]).
         flat = torch.arange(slots * padded_len, device=device)
         slot = torch.searchsorted(starts, flat, right=True) - 1

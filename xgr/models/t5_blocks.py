@@ -147,6 +147,26 @@ class T5Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
         return self.project_out(out.transpose(1, 2).reshape(x.shape[0], self.num_heads, -1))
 
+    def bidirectional_by_offset(
+        self, x: torch.Tensor, lengths: torch.Tensor, bias_by_offset: torch.Tensor, length: int
+    ) -> torch.Tensor:
+        """``bidirectional_padded`` by xgr's Triton kernel, which reads the position bias per
+        key - query offset and masks each prompt's padding keys itself (no square mask).
+
+        Args:
+            x: (S * P, d_model) normed hidden states, prompt-major, model dtype.
+            lengths: (S,) int64 prompt lengths on the device, each in [1, P].
+            bias_by_offset: (num_heads, 2 * P - 1) position bias (``offset_position_bias``).
+            length: P.
+
+        Returns:
+            (S * P, d_model); rows of padding queries hold values never read.
+        """
+        from xgr.kernels.triton_encoder_attention import padded_biased_attention
+
+        q, k, v = self.project_qkv(x)
+        return self.project_out(padded_biased_attention(q, k, v, lengths, bias_by_offset, length))
+
     def over_beam(
         self, x: torch.Tensor, layer: int, meta: EncDecDecodeMetadata, bias: torch.Tensor
     ) -> torch.Tensor:
