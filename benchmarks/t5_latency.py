@@ -138,7 +138,8 @@ def main() -> None:
         "--encoder-attention",
         choices=("sdpa", "triton"),
         default=t5_module.ENCODER_ATTENTION,
-        help="the encoder graph's attention (xgr.models.t5.ENCODER_ATTENTION)",
+        help="the encoder graph's attention (xgr.models.t5.ENCODER_ATTENTION); the CUDA-graph"
+        " path only: --tiny and --profile run the encoder eagerly",
     )
     parser.add_argument(
         "--profile",

@@ -54,7 +54,13 @@ def naive(q, k, v, lengths, bias, padded_len):
 
 @pytest.mark.parametrize(
     ("lengths", "padded_len", "heads", "head_dim"),
-    [([5], 5, 2, 16), ([1, 37, 20], 40, 3, 32), ([70, 9], 70, 2, 64), ([16, 33], 48, 1, 128)],
+    [
+        ([1, 1], 1, 2, 16),  # P = 1: the (heads, 1) bias may have any last stride
+        ([5], 5, 2, 16),
+        ([1, 37, 20], 40, 3, 32),
+        ([70, 9], 70, 2, 64),
+        ([16, 33], 48, 1, 128),
+    ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_kernel_equals_the_reference(monkeypatch, lengths, padded_len, heads, head_dim, dtype):
@@ -100,3 +106,5 @@ def test_bad_arguments_are_refused():
         call(q, k, v, lens, bias[:, :-1], 6)
     with pytest.raises(ValueError, match="head_dim"):
         call(*(t[..., :12] for t in (q, k, v)), lens, bias, 6)
+    with pytest.raises(ValueError, match="one dtype"):
+        call(q, k.half(), v.half(), lens, bias, 6)

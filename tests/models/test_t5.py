@@ -147,6 +147,24 @@ def test_padded_encoder_equals_the_packed_one(monkeypatch, t5_dirs, variant, fus
     torch.testing.assert_close(kv.v[:, :total], shared.v[:, :total], atol=1e-5, rtol=1e-5)
 
 
+def test_triton_encoder_attention_keeps_sdpa_for_head_sizes_it_lacks(monkeypatch, tmp_path):
+    """d_kv 24 is not a Triton kernel size: encode_padded falls back to SDPA, same output."""
+    pytest.importorskip("triton")
+    write_random_t5(tmp_path, "relu", True, d_kv=24)
+    monkeypatch.setattr(t5_module, "ENCODER_ATTENTION", "triton")
+    model = load_t5(tmp_path, "cpu", "float32")
+    assert not model._triton_encoder_attention_fits()
+    prompts = [[5, 9, 11], [7]]
+    with torch.inference_mode():
+        encoded, _, cu = encode(model, prompts)
+        tokens = torch.tensor([5, 9, 11, 7, 7, 7, 7, 7])
+        lengths = torch.tensor([3, 1])
+        layers, heads, d_kv = model.shared_kv_layout
+        kv = SharedKV.allocate(layers, [8], heads, d_kv, torch.float32, "cpu")
+        padded = model.encode_padded(tokens, lengths, 4, kv)
+    torch.testing.assert_close(padded[: cu[-1]], encoded, atol=1e-5, rtol=1e-5)
+
+
 def test_triton_decoder_attention_equals_the_reference(t5_dirs):
     pytest.importorskip("triton")
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: interpreted

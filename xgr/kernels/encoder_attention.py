@@ -12,6 +12,28 @@ import torch
 import torch.nn.functional as F
 
 
+def square_mask(
+    lengths: torch.Tensor, bias_by_offset: torch.Tensor, padded_len: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The additive mask SDPA takes: each prompt's (heads, P, P) position bias, and -inf at
+    its padding keys.
+
+    Args:
+        lengths: (S,) int prompt lengths, each in [1, P].
+        bias_by_offset: (num_heads, 2 * P - 1) bias of key - query offset m - (P - 1).
+        padded_len: P. dtype: the mask's dtype (the queries').
+
+    Returns:
+        (S, num_heads, P, P) in ``dtype``.
+    """
+    device = bias_by_offset.device
+    pos = torch.arange(padded_len, device=device)
+    square = bias_by_offset[:, pos[None, :] - pos[:, None] + padded_len - 1]  # (H, P, P)
+    pad = torch.zeros(lengths.shape[0], padded_len, dtype=dtype, device=device)
+    pad = pad.masked_fill(pos[None, :] >= lengths[:, None].to(device), float("-inf"))
+    return square.to(dtype)[None] + pad[:, None, None, :]
+
+
 def padded_biased_attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -19,9 +41,9 @@ def padded_biased_attention_reference(
     lengths: torch.Tensor,
     bias_by_offset: torch.Tensor,
     padded_len: int,
-    scale: float = 1.0,
 ) -> torch.Tensor:
-    """Attention of each prompt's P query rows over its first ``lengths[s]`` keys.
+    """Attention of each prompt's P query rows over its first ``lengths[s]`` keys, softmax
+    scale 1 (T5's initialization folds the usual 1 / sqrt(d) in).
 
     Args:
         q, k, v: (S * P, num_heads, head_dim), prompt-major: prompt s holds rows
@@ -29,18 +51,13 @@ def padded_biased_attention_reference(
         lengths: (S,) int prompt lengths, each in [1, P].
         bias_by_offset: (num_heads, 2 * P - 1) bias of key - query offset m - (P - 1).
         padded_len: P.
-        scale: softmax scale (1.0 for T5, whose initialization folds it in).
 
     Returns:
         (S * P, num_heads, head_dim) in q's dtype; padding query rows attend like the others.
     """
     rows, heads, dim = q.shape
     slots = rows // padded_len
-    pos = torch.arange(padded_len, device=q.device)
-    square = bias_by_offset[:, pos[None, :] - pos[:, None] + padded_len - 1]  # (H, P, P)
-    pad = torch.zeros(slots, padded_len, dtype=q.dtype, device=q.device)
-    pad = pad.masked_fill(pos[None, :] >= lengths[:, None].to(q.device), float("-inf"))
-    mask = square.to(q.dtype)[None] + pad[:, None, None, :]  # (S, H, P, P)
+    mask = square_mask(lengths, bias_by_offset, padded_len, q.dtype)
     qs, ks, vs = (t.view(slots, padded_len, heads, dim).transpose(1, 2) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
+    out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=1.0)
     return out.transpose(1, 2).reshape(rows, heads, dim)

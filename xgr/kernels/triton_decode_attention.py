@@ -57,7 +57,7 @@ def _attend_prompt_tile(
     token positions (the diagonal tiles of ``triton_prefill_attention``).
     BIAS: add ``bias[key - row]`` to each score (T5's relative position bias by offset,
     ``triton_encoder_attention``; ``bias`` points at offset 0, rows and keys below ``end``
-    read within it). ``rows`` and ``bias`` are unread when neither flag is set.
+    read within it). ``rows`` is read only under CAUSAL or BIAS, ``bias`` only under BIAS.
     """
     offs = kv + tl.arange(0, BLOCK_N)
     kv_off = offs[:, None] * stride_kt + kv_head * stride_kh + d[None, :]

@@ -81,21 +81,21 @@ def padded_biased_attention(
     lengths: torch.Tensor,
     bias_by_offset: torch.Tensor,
     padded_len: int,
-    scale: float = 1.0,
     block_m: int = 64,
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> torch.Tensor:
-    """``padded_biased_attention_reference`` in one Triton launch.
+    """``padded_biased_attention_reference`` in one Triton launch (softmax scale 1, as T5).
 
     Args:
-        q, k, v: (S * P, num_heads, head_dim) fp16/bf16/fp32, last dimension contiguous,
-            k and v with equal strides (views of a fused q/k/v projection are fine).
+        q, k, v: (S * P, num_heads, head_dim) fp16/bf16/fp32, one dtype, last dimension
+            contiguous, k and v with equal strides (views of a fused q/k/v projection are
+            fine).
         lengths: (S,) int32/int64 prompt lengths on q's device, each in [1, P] (unchecked:
             a device read would synchronize).
-        bias_by_offset: (num_heads, 2 * P - 1), last dimension contiguous.
-        padded_len: P. scale: softmax scale.
+        bias_by_offset: (num_heads, 2 * P - 1) on q's device, last dimension contiguous.
+        padded_len: P.
         block_m, block_n, num_warps, num_stages: launch parameters.
 
     Returns:
@@ -112,15 +112,23 @@ def padded_biased_attention(
     slots = rows // padded_len
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim {head_dim} is not one of {SUPPORTED_HEAD_DIMS}")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.stride() != v.stride() or q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("q, k, v need a contiguous last dimension and k, v equal strides")
     if lengths.shape != (slots,) or lengths.device != q.device:
         raise ValueError(f"lengths must be ({slots},) on {q.device}, got {tuple(lengths.shape)}")
-    if bias_by_offset.shape != (heads, 2 * padded_len - 1) or bias_by_offset.stride(-1) != 1:
+    # (H, 1) for P = 1 may carry any last stride: it is never stepped along.
+    contiguous = bias_by_offset.dim() == 2 and (
+        bias_by_offset.shape[-1] == 1 or bias_by_offset.stride(-1) == 1
+    )
+    if bias_by_offset.shape != (heads, 2 * padded_len - 1) or not contiguous:
         raise ValueError(
             f"bias_by_offset must be ({heads}, {2 * padded_len - 1}) with a contiguous last "
-            f"dimension, got {tuple(bias_by_offset.shape)}"
+            f"dimension, got {tuple(bias_by_offset.shape)} strides {bias_by_offset.stride()}"
         )
+    if bias_by_offset.device != q.device:
+        raise ValueError(f"bias_by_offset must be on {q.device}, got {bias_by_offset.device}")
     out = torch.empty(rows, heads, head_dim, dtype=q.dtype, device=q.device)
     if rows == 0:
         return out
@@ -128,7 +136,9 @@ def padded_biased_attention(
     _padded_biased_attention_kernel[grid](
         q, k, v, lengths, bias_by_offset, out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1),
-        bias_by_offset.stride(0), padded_len, scale * LOG2E,
+        # Scale 1: the bias is added to the scores before the kernel's exp2 scaling, which
+        # is then exactly the natural-log softmax of score + bias.
+        bias_by_offset.stride(0), padded_len, LOG2E,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, FOR_LOOP=q.is_cuda,
         # float32 stays float32 on tensor cores (no tf32), as the other kernels.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

@@ -37,7 +37,10 @@ from xgr.models.t5_blocks import EncDecDecodeMetadata, T5Stack, residual_stack
 # The attention of ``encode_padded`` (the encoder's CUDA graph): "sdpa", PyTorch SDPA with the
 # square (S, heads, P, P) bias + padding mask (measured, the default), or "triton", xgr's
 # kernel reading the bias per key - query offset (tested, not yet timed on the GPU:
-# benchmarks/attention.py --encoder and t5_latency.py --encoder-attention time it).
+# benchmarks/attention.py --encoder and t5_latency.py --encoder-attention time it; head
+# sizes it lacks keep SDPA). Set it before an engine captures its graphs (captured graphs
+# keep what they ran); encodes whose square mask would be too large for a graph still run
+# eagerly (``engine.cuda_graph.MAX_ENCODER_MASK_BYTES``), whichever is set.
 ENCODER_ATTENTION = "sdpa"
 
 __all__ = ["EncDecDecodeMetadata", "T5Seq2SeqLM"]
@@ -142,7 +145,7 @@ class T5Seq2SeqLM(nn.Module):
         # Padding slots repeat their prompt's last token: a valid id; masked as keys.
         gather = starts[:, None] + torch.minimum(pos[None, :], lengths[:, None] - 1)
         x = self.shared(tokens[gather.reshape(-1)])
-        if ENCODER_ATTENTION == "triton":
+        if ENCODER_ATTENTION == "triton" and self._triton_encoder_attention_fits():
             bias = offset_position_bias(
                 self.encoder.position_bias_table, padded_len, True,
                 self.config.relative_attention_max_distance,
@@ -165,6 +168,12 @@ class T5Seq2SeqLM(nn.Module):
         packed = encoded[slot * padded_len + offset]
         self._write_cross_kv(packed, cross_kv)
         return packed
+
+    def _triton_encoder_attention_fits(self) -> bool:
+        """Whether the Triton encoder kernel takes this model's head size (else SDPA)."""
+        from xgr.kernels.triton_encoder_attention import SUPPORTED_HEAD_DIMS
+
+        return self.config.d_kv in SUPPORTED_HEAD_DIMS
 
     def _run_encoder(self, x: torch.Tensor, attend) -> torch.Tensor:
         """The encoder blocks and final norm over embedded tokens x; each block's
