@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from xgr.layers.relative_position import square_from_offsets
+
 
 def square_mask(
     lengths: torch.Tensor, bias_by_offset: torch.Tensor, padded_len: int, dtype: torch.dtype
@@ -28,7 +30,7 @@ def square_mask(
     """
     device = bias_by_offset.device
     pos = torch.arange(padded_len, device=device)
-    square = bias_by_offset[:, pos[None, :] - pos[:, None] + padded_len - 1]  # (H, P, P)
+    square = square_from_offsets(bias_by_offset, padded_len)  # (H, P, P)
     pad = torch.zeros(lengths.shape[0], padded_len, dtype=dtype, device=device)
     pad = pad.masked_fill(pos[None, :] >= lengths[:, None].to(device), float("-inf"))
     return square.to(dtype)[None] + pad[:, None, None, :]

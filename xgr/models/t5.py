@@ -25,6 +25,7 @@ import functools
 import torch
 from torch import nn
 
+from xgr.kernels.encoder_attention import square_mask
 from xgr.kv import BeamKV, SharedKV
 from xgr.layers.relative_position import (
     offset_position_bias,
@@ -145,21 +146,16 @@ class T5Seq2SeqLM(nn.Module):
         # Padding slots repeat their prompt's last token: a valid id; masked as keys.
         gather = starts[:, None] + torch.minimum(pos[None, :], lengths[:, None] - 1)
         x = self.shared(tokens[gather.reshape(-1)])
+        bias = offset_position_bias(
+            self.encoder.position_bias_table, padded_len, True,
+            self.config.relative_attention_max_distance,
+        )  # fmt: skip
         if ENCODER_ATTENTION == "triton" and self._triton_encoder_attention_fits():
-            bias = offset_position_bias(
-                self.encoder.position_bias_table, padded_len, True,
-                self.config.relative_attention_max_distance,
-            )  # fmt: skip
             encoded = self._run_encoder(
                 x, lambda attn, h: attn.bidirectional_by_offset(h, lengths, bias, padded_len)
             )
         else:
-            bias = self._encoder_bias(padded_len)
-            keep = pos[None, :] < lengths[:, None]  # (S, P)
-            padding = torch.zeros(keep.shape, dtype=x.dtype, device=device).masked_fill_(
-                ~keep, float("-inf")
-            )
-            mask = bias[None] + padding[:, None, None, :]  # (S, H, P, P)
+            mask = square_mask(lengths, bias, padded_len, x.dtype)  # (S, H, P, P)
             encoded = self._run_encoder(x, lambda attn, h: attn.bidirectional_padded(h, mask))
         # Packed token t of prompt r sits at padded row r * P + (t - starts[r]).
         flat = torch.arange(slots * padded_len, device=device)
