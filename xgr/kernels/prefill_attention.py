@@ -19,6 +19,7 @@ launch: their prompt lengths are device tensors.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -60,8 +61,14 @@ def packed_available(q: torch.Tensor) -> bool:
         q.is_cuda
         and q.dtype in (torch.float16, torch.bfloat16)
         and q.shape[-1] in PACKED_HEAD_DIMS
-        and importlib.util.find_spec("triton") is not None
+        and _triton_installed()
     )
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    # Asked per layer of an eager prefill: look the package up once.
+    return importlib.util.find_spec("triton") is not None
 
 
 def prefer_packed(q: torch.Tensor, num_prompts: int, max_seqlen: int) -> bool:
