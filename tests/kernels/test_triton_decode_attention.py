@@ -66,6 +66,15 @@ MODES = {
     "split5_block16": dict(
         staged=False, config=kernel_module.LaunchConfig(block_m=16, block_n=16, num_splits=5)
     ),
+    # The merge launch with its own tiles: larger and smaller than the shared stage's.
+    "split2_merge64": dict(
+        staged=False,
+        config=kernel_module.LaunchConfig(block_m=16, num_splits=2, merge_block_m=64),
+    ),
+    "split2_merge4": dict(
+        staged=False,
+        config=kernel_module.LaunchConfig(num_splits=2, merge_block_m=4, merge_num_warps=1),
+    ),
 }
 
 

@@ -120,12 +120,15 @@ def test_forward_matches_hf(t5_dirs, variant):
 @pytest.mark.parametrize("attention", ["sdpa", "triton"])
 def test_padded_encoder_equals_the_packed_one(monkeypatch, t5_dirs, variant, fused, attention):
     """The CUDA graphs' encoder (prompts padded to one length, masked; fused projections;
-    SDPA with the square mask or the Triton kernel, interpreted on the CPU) against the
-    packed per-prompt reference: same encoder output and K/V."""
+    SDPA with the square mask or the Triton kernel, on the GPU or interpreted on the CPU)
+    against the packed per-prompt reference: same encoder output and K/V."""
+    device = "cpu"
     if attention == "triton":
         pytest.importorskip("triton")
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # compiled or interpreted
     monkeypatch.setattr(t5_module, "ENCODER_ATTENTION", attention)
-    model = load_t5(t5_dirs[variant], "cpu", "float32")
+    model = load_t5(t5_dirs[variant], device, "float32")
+    assert attention == "sdpa" or model._triton_encoder_attention_fits(torch.device(device))
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (7, 1, 30, 12)]
     with torch.inference_mode():
@@ -139,8 +142,8 @@ def test_padded_encoder_equals_the_packed_one(monkeypatch, t5_dirs, variant, fus
         lengths = torch.ones(slots, dtype=torch.int64)
         lengths[: len(prompts)] = torch.tensor([len(p) for p in prompts])
         layers, heads, d_kv = model.shared_kv_layout
-        kv = SharedKV.allocate(layers, [slots * length], heads, d_kv, torch.float32, "cpu")
-        padded = model.encode_padded(tokens, lengths, length, kv)
+        kv = SharedKV.allocate(layers, [slots * length], heads, d_kv, torch.float32, device)
+        padded = model.encode_padded(tokens.to(device), lengths.to(device), length, kv)
     assert padded.shape == (slots * length, model.config.d_model)
     torch.testing.assert_close(padded[:total], encoded, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(kv.k[:, :total], shared.k[:, :total], atol=1e-5, rtol=1e-5)
@@ -153,7 +156,7 @@ def test_triton_encoder_attention_keeps_sdpa_for_head_sizes_it_lacks(monkeypatch
     write_random_t5(tmp_path, "relu", True, d_kv=24)
     monkeypatch.setattr(t5_module, "ENCODER_ATTENTION", "triton")
     model = load_t5(tmp_path, "cpu", "float32")
-    assert not model._triton_encoder_attention_fits()
+    assert not model._triton_encoder_attention_fits(torch.device("cpu"))
     prompts = [[5, 9, 11], [7]]
     with torch.inference_mode():
         encoded, _, cu = encode(model, prompts)
@@ -163,6 +166,17 @@ def test_triton_encoder_attention_keeps_sdpa_for_head_sizes_it_lacks(monkeypatch
         kv = SharedKV.allocate(layers, [8], heads, d_kv, torch.float32, "cpu")
         padded = model.encode_padded(tokens, lengths, 4, kv)
     torch.testing.assert_close(padded[: cu[-1]], encoded, atol=1e-5, rtol=1e-5)
+
+
+def test_triton_encoder_attention_needs_cuda_or_the_interpreter(monkeypatch, t5_dirs):
+    """Compiled Triton cannot read host tensors: a CPU model keeps SDPA unless interpreted."""
+    pytest.importorskip("triton")
+    model = load_t5(t5_dirs["relu", True], "cpu", "float32")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert model._triton_encoder_attention_fits(torch.device("cpu"))
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert not model._triton_encoder_attention_fits(torch.device("cpu"))
+    assert model._triton_encoder_attention_fits(torch.device("cuda"))
 
 
 def test_triton_decoder_attention_equals_the_reference(t5_dirs):

@@ -251,11 +251,16 @@ class LaunchConfig:
         num_warps, num_stages: Triton's warps per program and software-pipeline depth.
         num_splits: programs sharing one request's prompt (split-KV, merged exactly by
             log-sum-exp in a second launch); None: ``choose_num_splits``.
+        merge_block_m, merge_num_warps: rows and warps per program of that second launch
+            (the merge and the beams' own tokens), which moves data and does little
+            arithmetic, so it wants many small programs in flight.
 
     The defaults come from H200 runs of ``benchmarks/attention.py --sweep`` (CUDA-graph
     timing): at L=3000, B=512, one request, 64 x 64 tiles with 4 warps and 3 stages in two
     splits took 35.2 us (Qwen3-1.7B shape), against 39.6 us in one split and 36.6 us for
-    128-row tiles with 8 warps; the split count follows ``choose_num_splits``.
+    128-row tiles with 8 warps; the split count follows ``choose_num_splits``. Nsight Compute
+    then showed the merge launch with the shared stage's 64-row tiles taking 8.2 us of the
+    ~39 (one 4-warp program per SM, 174 registers, 1.8 TB/s), hence its own smaller tiles.
     """
 
     block_m: int = 64
@@ -263,6 +268,8 @@ class LaunchConfig:
     num_warps: int = 4
     num_stages: int = 3
     num_splits: int | None = None
+    merge_block_m: int = 16
+    merge_num_warps: int = 4
 
 
 DEFAULT_LAUNCH = LaunchConfig()
@@ -355,7 +362,10 @@ def beam_decode_attention(
 
     def launch(shared: bool, beam: bool, out_partial: bool) -> None:
         programs = num_requests * splits if shared else num_requests
-        _beam_decode_attention_kernel[(row_blocks, num_kv_heads, programs)](
+        block_m = config.block_m if shared else config.merge_block_m
+        num_warps = config.num_warps if shared else config.merge_num_warps
+        blocks = triton.cdiv(beam_width * group, block_m)
+        _beam_decode_attention_kernel[(blocks, num_kv_heads, programs)](
             q, shared_k, shared_v, beam_k, beam_v, beam_rows, cu_seqlens, out, partial, lse,
             q.stride(0), q.stride(1),
             shared_k.stride(0), shared_k.stride(1),
@@ -364,12 +374,12 @@ def beam_decode_attention(
             out.stride(0), out.stride(1),
             rows, beam_width, scale * LOG2E,
             NUM_BEAM_TOKENS=num_beam_tokens, GROUP=group, HEAD_DIM=head_dim,
-            BLOCK_M=config.block_m, BLOCK_N=block_n, SPLITS=splits,
+            BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits,
             SHARED=shared, BEAM=beam, OUT_PARTIAL=out_partial,
             FOR_LOOP=q.is_cuda,
             # float32 stays float32 on tensor cores (no tf32), so the engine stays exact.
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            num_warps=num_warps, num_stages=config.num_stages,
         )  # fmt: skip
 
     if two_stage:

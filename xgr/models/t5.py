@@ -21,6 +21,7 @@ On xgr's KV layout:
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch import nn
@@ -150,7 +151,7 @@ class T5Seq2SeqLM(nn.Module):
             self.encoder.position_bias_table, padded_len, True,
             self.config.relative_attention_max_distance,
         )  # fmt: skip
-        if ENCODER_ATTENTION == "triton" and self._triton_encoder_attention_fits():
+        if ENCODER_ATTENTION == "triton" and self._triton_encoder_attention_fits(device):
             encoded = self._run_encoder(
                 x, lambda attn, h: attn.bidirectional_by_offset(h, lengths, bias, padded_len)
             )
@@ -165,11 +166,14 @@ class T5Seq2SeqLM(nn.Module):
         self._write_cross_kv(packed, cross_kv)
         return packed
 
-    def _triton_encoder_attention_fits(self) -> bool:
-        """Whether the Triton encoder kernel takes this model's head size (else SDPA)."""
+    def _triton_encoder_attention_fits(self, device: torch.device) -> bool:
+        """Whether the Triton encoder kernel runs here (else SDPA): this model's head size,
+        on a CUDA device or under Triton's interpreter (compiled Triton cannot read host
+        tensors, so a CPU model on a machine with a GPU keeps SDPA)."""
         from xgr.kernels.triton_encoder_attention import SUPPORTED_HEAD_DIMS
 
-        return self.config.d_kv in SUPPORTED_HEAD_DIMS
+        runs_here = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+        return runs_here and self.config.d_kv in SUPPORTED_HEAD_DIMS
 
     def _run_encoder(self, x: torch.Tensor, attend) -> torch.Tensor:
         """The encoder blocks and final norm over embedded tokens x; each block's
