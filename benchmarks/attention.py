@@ -10,6 +10,7 @@ parent vs reading through the ancestry index) and measures the GPU's copy bandwi
 bf16 matrix rate in the same run. Kernel times are device times per call from CUDA-graph
 replays (as the engine's decode runs); the "eager" column is the same call launched from
 Python, host launch cost included. ``--sweep`` times tile/split choices on two shapes;
+``--profile-launch`` only runs the launches, for Nsight Compute (``gpu_session.sh ncu``);
 ``--prefill`` times the packed causal prefill attention (xgr's packed Triton kernel, which
 the engine uses for several prompts, against PyTorch's packed flash attention and SDPA per
 prompt); ``--encoder`` the T5 encoder attention (xgr's Triton kernel with the position bias
@@ -418,6 +419,12 @@ def main() -> None:
         help="time T5 encoder attention only (its own lengths, 256 and 1024)",
     )
     # Configuration filters (the decode table; --prefill reads the lengths and requests).
+    parser.add_argument(
+        "--profile-launch",
+        action="store_true",
+        help="only run xgr's default launch 3 times per configuration, untimed and without "
+        "graphs, for a kernel profiler (gpu_session.sh ncu); writes no JSON",
+    )
     parser.add_argument("--prompt-lens", type=int, nargs="*", default=PROMPT_LENGTHS)
     parser.add_argument("--beam-widths", type=int, nargs="*", default=BEAM_WIDTHS)
     parser.add_argument("--requests", type=int, nargs="*", default=REQUESTS)
@@ -432,6 +439,13 @@ def main() -> None:
         "dtype": str(DTYPE),
         "launch_config": dataclasses.asdict(DEFAULT_LAUNCH),
     }
+    if args.profile_launch:
+        for config in itertools.product(SHAPES, args.prompt_lens, args.beam_widths, args.requests):
+            problem = Problem(*config)
+            for _ in range(3):
+                problem.run(rotate=False)
+        torch.cuda.synchronize()
+        return
     if args.sweep:
         report["sweep"] = sweep()
         args.output.write_text(json.dumps(report, indent=2) + "\n")

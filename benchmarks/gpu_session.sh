@@ -5,6 +5,7 @@
 #
 #   bash benchmarks/gpu_session.sh tests       # GPU-only tests (kernels, graphs, streams)
 #   bash benchmarks/gpu_session.sh attention   # decode attention table
+#   bash benchmarks/gpu_session.sh ncu         # Nsight Compute counters of the decode attention
 #   bash benchmarks/gpu_session.sh prefill     # prefill attention: Triton, flash varlen, SDPA;
 #                                               T5 encoder attention: Triton, SDPA + mask
 #   bash benchmarks/gpu_session.sh e2e         # whole-request latency table + HF
@@ -20,15 +21,31 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/xgr-gpu}"
 mkdir -p "$OUT"
-case "${1:?phase: tests|attention|prefill|e2e|profile|t5|bf16|serving}" in
+case "${1:?phase: tests|attention|ncu|prefill|e2e|profile|t5|bf16|serving}" in
   tests)
     # fastapi/uvicorn are absent on the device machine: only the engine's tests run there.
-    timeout 400 python3 -m pytest -q -rs tests/kernels tests/beam tests/engine/test_engine_cuda.py \
-      tests/engine/test_t5_hf_equivalence.py tests/models/test_fuse.py tests/models/test_t5.py \
-      tests/scheduler 2>&1 | grep -v "^\.*$" | tail -30
+    # Eight pytest-xdist workers compile the kernels in parallel (161 s against 280 s
+    # serial); the scheduler's timing tests run alone.
+    timeout 330 python3 -m pytest -q -n 8 -rs tests/kernels tests/beam \
+      tests/engine/test_engine_cuda.py tests/engine/test_t5_hf_equivalence.py \
+      tests/models/test_fuse.py tests/models/test_t5.py 2>&1 | grep -v "^\.*$" | tail -20
+    timeout 200 python3 -m pytest -q -rs tests/scheduler 2>&1 | grep -v "^\.*$" | tail -10
     ;;
   attention)
     timeout 300 python3 benchmarks/attention.py --output "$OUT/attention.json" 2>&1 | tail -40
+    ;;
+  ncu)
+    # Hardware counters of the decode attention's two launches (shared stage, then merge) at
+    # L=3000, B=512, one request, Qwen3-1.7B shape; the clocks are left as they are.
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+    timeout 300 "$NCU" --clock-control none -k regex:_beam_decode_attention_kernel \
+      --launch-count 2 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+      --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats \
+      --section Occupancy --section LaunchStats \
+      python3 benchmarks/attention.py --profile-launch --output /dev/null \
+      --prompt-lens 3000 --beam-widths 512 --requests 1 > "$OUT/ncu.txt" 2>&1
+    grep -E "_beam_decode|Duration|Compute \(SM\) Throughput|L2 Cache Throughput|Issue Slots|No Eligible|Registers Per|Achieved Occupancy" \
+      "$OUT/ncu.txt"
     ;;
   prefill)
     timeout 300 python3 benchmarks/attention.py --prefill --output "$OUT/attention-prefill.json" \
