@@ -37,10 +37,10 @@ FAMILIES = (  # first match wins; matched against lower-case kernel names
     ("prefill attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
     (
         "fused elementwise (xgr Triton)",
-        ("_rms_norm", "_rope", "_silu_mul", "_gated_mul", "_qkv_heads", "_logsumexp"),
+        ("_rms_norm", "_rope", "_silu_mul", "_gated_mul", "_qkv_heads"),
     ),
     ("beam selection", ("_score_candidates", "_gather_selected", "topk", "sort", "radix")),
-    ("GEMM", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul")),
+    ("GEMM", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "linear")),
     ("reductions (log-sum-exp)", ("reduce", "logsumexp")),
     ("copies and indexing", ("copy", "memcpy", "index", "gather", "scatter", "cat")),
 )
@@ -84,8 +84,8 @@ def profile_phases(phases: dict[str, Callable[[], object]], cuda: bool) -> tuple
     result through its closure).
 
     Returns:
-        per phase ``{"families_ms", "top_kernels", "kernel_ms"}``, and the lines printing
-        them (families largest first, then the top kernels).
+        per phase ``{"families_ms", "top_kernels", "kernel_ms", "span_ms"}``, and the lines
+        printing them (families largest first, then the top kernels).
     """
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     activity = [ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]
@@ -152,9 +152,9 @@ def main() -> None:
             "decode levels": lambda: decode_levels(
                 spec, last[0], inputs.prompt_lens, shared, inputs.cu_seqlens_host, beam, beam
             ),
-            # The whole request as served (graphs already captured by ``timed``): its
-            # kernels, and from the span the time between them.
-            "request (CUDA graphs)": lambda: graphed.recommend(
+            # The whole request as served (on CUDA through the graphs ``timed`` captured):
+            # its kernels, and from the span the time between them.
+            f"request ({'CUDA graphs' if cuda else 'default path'})": lambda: graphed.recommend(
                 prompts, beam_width=beam, top_k=beam
             ),
         }

@@ -121,6 +121,27 @@ def test_every_output_element_is_written(monkeypatch):
 
 
 @pytest.mark.parametrize(
+    "fields",
+    [
+        dict(merge_block_m=-16),  # an empty merge grid: the output would stay unwritten
+        dict(merge_block_m=0),
+        dict(merge_block_m=12),
+        dict(block_m=48),
+        dict(block_n=0),
+        dict(num_warps=3),
+        dict(merge_num_warps=0),
+        dict(num_stages=0),
+        dict(num_splits=0),
+        dict(num_splits=-1),
+    ],
+)
+def test_launch_config_refuses_sizes_triton_cannot_run(fields):
+    name = next(iter(fields))
+    with pytest.raises(ValueError, match=f"LaunchConfig.{name}"):
+        kernel_module.LaunchConfig(**fields)
+
+
+@pytest.mark.parametrize(
     ("change", "message"),
     [
         (lambda a: {**a, "q": a["q"][:, :, :12].contiguous()}, "head_dim"),

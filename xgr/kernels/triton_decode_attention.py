@@ -260,10 +260,15 @@ class LaunchConfig:
     splits took 35.2 us (Qwen3-1.7B shape), against 39.6 us in one split and 36.6 us for
     128-row tiles with 8 warps; the split count follows ``choose_num_splits``. Nsight Compute
     then showed the merge launch with the shared stage's 64-row tiles taking 8.2 us of the
-    ~39 (one 4-warp program per SM, 174 registers, 1.8 TB/s), hence its own smaller tiles:
-    in graph replays 16-row merge tiles took 34.2 us in all against 34.6-35.7 us with 64-row
-    ones (Qwen3-1.7B shape; 23.0 against 23.4-24.0 us for Qwen2.5-0.5B), a smaller gain than
-    the profile suggested.
+    ~39 (one 4-warp program per SM, 174 registers, 1.8 TB/s), hence its own smaller tiles.
+    In graph replays that is within the run-to-run drift there (34.2 us in all against
+    34.6-35.7 us with 64-row merge tiles), but it pays where many splits meet few rows: at
+    B=128, one request (8 splits, Qwen3-1.7B shape) 11.1 / 17.9 / 23.3 us at L=1000 / 3000 /
+    5000 against 18.7 / 25.1 / 32.3 us before.
+
+    Raises:
+        ValueError: a tile size or warp count that is not a positive power of two, a
+            non-positive stage or split count.
     """
 
     block_m: int = 64
@@ -273,6 +278,28 @@ class LaunchConfig:
     num_splits: int | None = None
     merge_block_m: int = 16
     merge_num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        # Triton's tiles (tl.arange) and warp counts must be powers of two; a zero or
+        # negative size would launch an empty grid and leave the output unwritten.
+        sizes = {
+            "block_m": self.block_m,
+            "block_n": self.block_n,
+            "num_warps": self.num_warps,
+            "merge_block_m": self.merge_block_m,
+            "merge_num_warps": self.merge_num_warps,
+        }
+        for name, value in sizes.items():
+            if name == "block_n" and value is None:
+                continue
+            if not isinstance(value, int) or value < 1 or value & (value - 1):
+                raise ValueError(f"LaunchConfig.{name} must be a positive power of two: {value!r}")
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"LaunchConfig.num_stages must be >= 1: {self.num_stages!r}")
+        if self.num_splits is not None and (
+            not isinstance(self.num_splits, int) or self.num_splits < 1
+        ):
+            raise ValueError(f"LaunchConfig.num_splits must be None or >= 1: {self.num_splits!r}")
 
 
 DEFAULT_LAUNCH = LaunchConfig()

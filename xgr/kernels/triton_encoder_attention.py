@@ -74,6 +74,16 @@ def _padded_biased_attention_kernel(
     tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
 
 
+def runs_on(device: torch.device) -> bool:
+    """Whether ``padded_biased_attention`` can take tensors on ``device``: CUDA when the
+    kernel is compiled; any device under Triton's interpreter. Read off the kernel itself,
+    since Triton decides interpreting once, when this module is imported."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    interpreted = isinstance(_padded_biased_attention_kernel, InterpretedFunction)
+    return interpreted or device.type == "cuda"
+
+
 def padded_biased_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -21,7 +21,6 @@ On xgr's KV layout:
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from torch import nn
@@ -170,10 +169,9 @@ class T5Seq2SeqLM(nn.Module):
         """Whether the Triton encoder kernel runs here (else SDPA): this model's head size,
         on a CUDA device or under Triton's interpreter (compiled Triton cannot read host
         tensors, so a CPU model on a machine with a GPU keeps SDPA)."""
-        from xgr.kernels.triton_encoder_attention import SUPPORTED_HEAD_DIMS
+        from xgr.kernels.triton_encoder_attention import SUPPORTED_HEAD_DIMS, runs_on
 
-        runs_here = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-        return runs_here and self.config.d_kv in SUPPORTED_HEAD_DIMS
+        return self.config.d_kv in SUPPORTED_HEAD_DIMS and runs_on(device)
 
     def _run_encoder(self, x: torch.Tensor, attend) -> torch.Tensor:
         """The encoder blocks and final norm over embedded tokens x; each block's
