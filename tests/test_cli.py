@@ -83,7 +83,8 @@ def test_errors_are_messages_not_tracebacks(served_model_dir, tmp_path):
             ),
             "--num-results 10 exceeds --beam-width 8",
         ),
-        (("eval", "--model", model), "pass --demo"),
+        (("eval",), "pass --demo"),
+        (("eval", "--model", model), "No such option '--model'"),
         (("recommend", "--model", model, "--arch", "t5", "--history", "x"), "pass --demo with"),
         (
             ("recommend", "--demo", "--arch", "qwen2", "--arch", "t5", "--history", "x"),

@@ -100,14 +100,23 @@ class ModelSource:
             _fail(exc)
 
 
-def _engine_options(func):
-    """Add the model-source options; the command receives them as ``source: ModelSource``."""
+def _engine_options(func=None, *, demo_only: bool = False):
+    """Add the model-source options; the command receives them as ``source: ModelSource``.
+
+    ``demo_only`` (``xgr eval``): no --model / --catalog, and --arch may repeat.
+    """
+    if func is None:
+        return functools.partial(_engine_options, demo_only=demo_only)
 
     @functools.wraps(func)
-    def command(demo, model_dir, catalog_path, dtype, device, cache_dir, archs, **kwargs):
+    def command(demo, dtype, device, cache_dir, archs, model_dir=None, catalog_path=None, **kw):
         source = ModelSource(demo, model_dir, catalog_path, dtype, device, cache_dir, archs)
-        return func(source=source, **kwargs)
+        return func(source=source, **kw)
 
+    arch_help = (
+        "The demo model's architecture: qwen2 (decoder-only, the default) or t5 "
+        "(TIGER-style encoder-decoder)"
+    )
     options = [
         click.option(
             "--demo",
@@ -119,21 +128,25 @@ def _engine_options(func):
             "archs",
             multiple=True,
             type=click.Choice(ARCHITECTURES),
-            help="The demo model's architecture: qwen2 (decoder-only, the default) or t5 "
-            "(TIGER-style encoder-decoder); `xgr eval` takes several to compare them.",
+            help=arch_help + ("; repeat it to compare them." if demo_only else "."),
         ),
-        click.option(
-            "--model",
-            "model_dir",
-            type=click.Path(file_okay=False, path_type=Path),
-            help="Hugging Face model folder.",
-        ),
-        click.option(
-            "--catalog",
-            "catalog_path",
-            type=click.Path(dir_okay=False, path_type=Path),
-            help="Catalog index JSON (default: the model folder's catalog.index.json).",
-        ),
+    ]
+    if not demo_only:
+        options += [
+            click.option(
+                "--model",
+                "model_dir",
+                type=click.Path(file_okay=False, path_type=Path),
+                help="Hugging Face model folder.",
+            ),
+            click.option(
+                "--catalog",
+                "catalog_path",
+                type=click.Path(dir_okay=False, path_type=Path),
+                help="Catalog index JSON (default: the model folder's catalog.index.json).",
+            ),
+        ]
+    options += [
         click.option(
             "--dtype",
             default="float32",
@@ -260,7 +273,7 @@ def recommend(
 
 
 @main.command("eval")
-@_engine_options
+@_engine_options(demo_only=True)
 @click.option("--k", default=10, show_default=True, help="Metric cut-off.")
 @click.option("--beam-width", default=64, show_default=True)
 @click.option(
@@ -275,8 +288,8 @@ def recommend(
 def evaluate(source, k, beam_width, max_users, output) -> None:
     """Leave-one-out Recall@K / NDCG@K of the demo model next to a most-popular baseline.
 
-    Runs on the demo's MovieLens data, so it needs --demo (--model and --catalog do not
-    apply). With several --arch, one row per architecture's model on the same users.
+    Runs on the demo's MovieLens data, so it needs --demo. With several --arch, one row per
+    architecture's model on the same users.
     """
     from xgr.demo import evaluate_demo, load_movielens
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -63,6 +64,13 @@ def build_demo(
     target = cache_dir / f"model-{config.cache_key}"
     if (target / DEMO_METADATA_FILE).is_file():
         return target
+    if progress:  # the data and semantic IDs take seconds before the first training bar
+        print(
+            f"Building the {config.arch} demo model in {target} (first use): MovieLens-100K, "
+            "semantic IDs, then training",
+            file=sys.stderr,
+            flush=True,
+        )
     data = load_movielens(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: an interrupted build leaves only a temp folder,
