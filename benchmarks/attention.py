@@ -268,6 +268,28 @@ def sweep() -> list[dict]:
     return rows
 
 
+def split_sweep(prompt_lens, beam_widths) -> list[dict]:
+    """Time the default tiles with 1, 2, 4 and 8 splits and with ``choose_num_splits``'s
+    count, one request, on the grids that do not fill the GPU (the split rule's domain)."""
+    from xgr.kernels.triton_decode_attention import choose_num_splits
+
+    rows = []
+    warm_up_clocks()
+    for shape, length, beam_width in itertools.product(SHAPES, prompt_lens, beam_widths):
+        p = Problem(shape, length, beam_width, 1)
+        row_blocks = -(-beam_width * (p.num_heads // p.num_kv_heads) // DEFAULT_LAUNCH.block_m)
+        auto = choose_num_splits(row_blocks * p.num_kv_heads, p.q.device)
+        times = {}
+        for splits in (1, 2, 4, 8):
+            config = dataclasses.replace(DEFAULT_LAUNCH, num_splits=splits)
+            times[splits] = bench(lambda c=config, p=p: p.run(config=c), replays=20)
+        rows.append({"shape": shape, "prompt_len": length, "beam_width": beam_width,
+                     "auto_splits": auto, "ms_by_splits": times})  # fmt: skip
+        cells = "".join(f"{times[n] * 1e3:8.1f}" for n in (1, 2, 4, 8))
+        print(f"{shape:<13}{length:>6}{beam_width:>5}  auto {auto}{cells}", flush=True)
+    return rows
+
+
 def flash_varlen(q, k, v, cu_dev, max_seqlen, scale):
     """PyTorch's packed variable-length flash attention (FA2), causal: the baseline the
     Triton kernel replaced; None where this PyTorch lacks it."""
@@ -420,6 +442,11 @@ def main() -> None:
     )
     # Configuration filters (the decode table; --prefill reads the lengths and requests).
     parser.add_argument(
+        "--split-sweep",
+        action="store_true",
+        help="time 1/2/4/8 splits for one request over --prompt-lens x --beam-widths",
+    )
+    parser.add_argument(
         "--profile-launch",
         action="store_true",
         help="only run xgr's default launch 3 times per configuration, untimed and without "
@@ -445,6 +472,11 @@ def main() -> None:
             for _ in range(3):
                 problem.run(rotate=False)
         torch.cuda.synchronize()
+        return
+    if args.split_sweep:
+        print(f"{'shape':<13}{'L':>6}{'B':>5}  splits: auto  1 / 2 / 4 / 8 (us)")
+        report["split_sweep"] = split_sweep(args.prompt_lens, args.beam_widths)
+        args.output.write_text(json.dumps(report, indent=2) + "\n")
         return
     if args.sweep:
         report["sweep"] = sweep()

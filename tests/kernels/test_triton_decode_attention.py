@@ -189,3 +189,15 @@ def test_shared_only_attention_matches_reference(
     assert got.dtype == dtype and not torch.isnan(got).any()
     error = (got.float() - expected).abs().max() / expected.abs().max()
     assert error < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize(
+    ("programs", "splits"),
+    [(500, 1), (133, 1), (132, 2), (128, 2), (100, 2), (64, 4), (44, 6), (32, 8), (16, 8)],
+)
+def test_split_count_aims_at_two_programs_per_sm(monkeypatch, programs, splits):
+    """On a 132-SM GPU (an H200): grids past the SMs take one fused launch; smaller ones
+    are split toward two programs per SM, two splits at least, eight at most."""
+    monkeypatch.setattr(kernel_module, "_num_sms", lambda index: 132)
+    assert kernel_module.choose_num_splits(programs, torch.device("cuda", 0)) == splits
+    assert kernel_module.choose_num_splits(programs, torch.device("cpu")) == 1

@@ -316,12 +316,22 @@ def choose_num_splits(programs: int, device: torch.device) -> int:
     """Split count for a grid of ``programs`` programs per split (row blocks x heads x requests).
 
     A grid that fills the SMs runs in one fused launch. A smaller one is split so each SM
-    gets about ``sms // programs`` programs, and at least two: a 64-row tile runs one
-    warpgroup, and a second program on the SM overlaps its softmax with the first one's
-    matrix products. Measured on an H200 (benchmarks/attention.py, CUDA-graph timing, bf16):
-    at L=3000, B=512, one request (128 programs) two splits took 35.8 us against 41.0 us for
-    one; for 16 programs (B=128, Qwen3-1.7B shape) eight splits took 19.3-32.2 us against
-    18.1-64.5 us for one, while sixteen splits took 78-96 us (the merge dominates).
+    gets about two programs (the default tiles' shared memory fits two per SM), and at
+    least two splits: a 64-row tile runs one warpgroup, and a second program on the SM
+    overlaps its softmax with the first one's matrix products. Measured on an H200
+    (``benchmarks/attention.py --split-sweep``, CUDA-graph timing, bf16, one request,
+    ``results/attention-splits-2026-11-29-h200.json``), us per layer and step for 1/2/4/8
+    splits, Qwen3-1.7B shape:
+
+    - B=512 (128 programs: 2 splits) at L=3000: 39.7 / 34.1 / 39.4 / 54.1;
+    - B=256 (64: 4 splits) at L=3000: 39.2 / 25.5 / 22.0 / 28.7, at L=5000: 60.0 / 35.6 /
+      29.9 / 36.4 (the earlier rule, one program per SM, chose 2);
+    - B=128 (32: 8 splits) at L=5000: 60.6 / 34.3 / 21.9 / 21.1, but at L=1000 18.2 / 13.4 /
+      11.3 / 12.9 (125 tokens a split: too few to pay for the merge). The prompt lengths
+      are device values inside the CUDA graphs, so the rule cannot look at them.
+
+    Qwen2.5-0.5B (7 query heads a KV head) follows the same pattern (B=256: 4 splits best
+    at every L; B=128: 8 splits best at L >= 3000).
 
     Returns:
         1 .. MAX_SPLITS; always 1 off CUDA.
@@ -331,7 +341,7 @@ def choose_num_splits(programs: int, device: torch.device) -> int:
     sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     if programs > sms:
         return 1
-    return max(2, min(MAX_SPLITS, sms // programs))
+    return max(2, min(MAX_SPLITS, 2 * sms // programs))
 
 
 def beam_decode_attention(
