@@ -441,6 +441,7 @@ def bench_serve(
         raise click.UsageError(f"--num-results {num_results} exceeds --beam-width {beam_width}")
     if not source.given:
         raise click.UsageError("give --demo or --model (its catalog supplies the histories)")
+    first_errors: dict[str, str] = {}  # an HTTP run's first answer per error status
     try:
         if url is None:
             engine = source.load(cuda_streams=streams)
@@ -457,7 +458,7 @@ def bench_serve(
             engine.warm_up(len(sample), beam_width, beam_width, max_batch_size, spread=0.0)
             coroutine = bench.bench_in_process(engine, plan, max_batch_size, max_batch_ms)
         else:
-            coroutine = bench.bench_http(url, plan)
+            coroutine = bench.bench_http(url, plan, first_errors=first_errors)
         points = asyncio.run(coroutine)
     except XgrError as exc:
         _fail(exc)
@@ -488,7 +489,9 @@ def bench_serve(
         click.echo("no level kept P99 <= 200 ms with <= 1% errors")
     click.echo(f"wrote {output} and {plot_path}")
     if not any(p.ok for p in points):
-        _fail(XgrError("no request succeeded: is the server up and the model the same?"))
+        said = "; ".join(f"HTTP {status}: {body}" for status, body in first_errors.items())
+        hint = f"the server answered {said}" if said else "is the server up?"
+        _fail(XgrError(f"no request succeeded: {hint}"))
 
 
 if __name__ == "__main__":

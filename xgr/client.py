@@ -71,19 +71,24 @@ class Client:
             "request_id": request_id,
         }
         data = self._post("/v1/recommend", {k: v for k, v in body.items() if v is not None})
-        items = [
-            Recommendation(
-                item["item_id"],
-                item["score"],
-                tuple(int(c) for c in _CODE.findall(item["semantic_id"])),
-                item.get("title"),
+        try:
+            items = [
+                Recommendation(
+                    item["item_id"],
+                    item["score"],
+                    tuple(int(c) for c in _CODE.findall(item["semantic_id"])),
+                    item.get("title"),
+                )
+                for item in data["items"]
+            ]
+            timings = data["timings"]
+            return RecommendResult(
+                items=items, prefill_ms=timings["prefill_ms"], decode_ms=timings["decode_ms"]
             )
-            for item in data["items"]
-        ]
-        timings = data["timings"]
-        return RecommendResult(
-            items=items, prefill_ms=timings["prefill_ms"], decode_ms=timings["decode_ms"]
-        )
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ServerError(
+                200, f"{self._http.base_url} did not answer as an xgr server (missing {exc})"
+            ) from exc
 
     def health(self) -> bool:
         """True when ``GET /ready`` answers 200 (the server has warmed up); False if unreachable."""
@@ -99,8 +104,17 @@ class Client:
             raise ServerError(0, f"cannot reach {self._http.base_url}: {exc}") from exc
         if response.status_code != 200:
             try:
-                message = response.json().get("error", response.text)
+                data = response.json()
+                message = data.get("error", response.text) if isinstance(data, dict) else None
             except ValueError:
-                message = response.text
-            raise ServerError(response.status_code, message)
-        return response.json()
+                message = None
+            raise ServerError(response.status_code, message or response.text[:500])
+        try:
+            data = response.json()
+        except ValueError as exc:
+            raise ServerError(
+                200, f"{self._http.base_url} answered {path} with a body that is not JSON"
+            ) from exc
+        if not isinstance(data, dict):
+            raise ServerError(200, f"{self._http.base_url} answered {path} with no JSON object")
+        return data

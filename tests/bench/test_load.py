@@ -174,3 +174,28 @@ def test_open_loop_latency_counts_from_the_scheduled_arrival():
     samples = asyncio.run(open_loop(blocking_send, lambda: ["1"], 200.0, 0.2, seed=1))
     assert len(samples) > 10
     assert max(s.latency for s in samples) > 0.2  # waiting behind the blocked loop counts
+
+
+def test_http_sender_keeps_the_first_answer_of_each_error_status():
+    import httpx
+
+    from xgr.bench.serve import http_sender
+
+    answers = iter([(400, "beam_width 600 exceeds the limit 512"), (400, "again"), (200, "{}"),
+                    (429, "queue full")])  # fmt: skip
+
+    def reply(request):
+        status, text = next(answers)
+        return httpx.Response(status, text=text)
+
+    async def run():
+        transport = httpx.MockTransport(reply)
+        async with httpx.AsyncClient(base_url="http://stub", transport=transport) as client:
+            first = {}
+            send = http_sender(client, 600, 10, None, first)
+            outcomes = [await send(["1"]) for _ in range(4)]
+        return outcomes, first
+
+    outcomes, first = asyncio.run(run())
+    assert outcomes == ["400", "400", "ok", "429"]
+    assert first == {"400": "beam_width 600 exceeds the limit 512", "429": "queue full"}

@@ -53,8 +53,18 @@ def history_sampler(
     return lambda: rng.sample(items, rng.randint(low, high))
 
 
-def http_sender(client: Any, beam_width: int, num_results: int, deadline_ms: int | None) -> Send:
-    """Requests to ``POST /v1/recommend`` through an ``httpx.AsyncClient`` (base URL set)."""
+def http_sender(
+    client: Any,
+    beam_width: int,
+    num_results: int,
+    deadline_ms: int | None,
+    first_errors: dict[str, str] | None = None,
+) -> Send:
+    """Requests to ``POST /v1/recommend`` through an ``httpx.AsyncClient`` (base URL set).
+
+    ``first_errors``, if given, receives the first response body (up to 300 characters) of
+    each error status, so a run that fails can say why.
+    """
 
     async def send(history: list[str]) -> str:
         body: dict[str, Any] = {
@@ -65,7 +75,12 @@ def http_sender(client: Any, beam_width: int, num_results: int, deadline_ms: int
         if deadline_ms:
             body["deadline_ms"] = deadline_ms
         response = await client.post("/v1/recommend", json=body)
-        return "ok" if response.status_code == 200 else str(response.status_code)
+        if response.status_code == 200:
+            return "ok"
+        label = str(response.status_code)
+        if first_errors is not None and label not in first_errors:
+            first_errors[label] = response.text[:300]
+        return label
 
     return send
 
@@ -229,13 +244,18 @@ async def bench_in_process(
         await batcher.stop(drain=True)
 
 
-async def bench_http(url: str, plan: LoadPlan, progress: bool = True) -> list[LoadPoint]:
-    """The plan's levels against a running ``xgr serve`` at ``url``."""
+async def bench_http(
+    url: str, plan: LoadPlan, progress: bool = True, first_errors: dict[str, str] | None = None
+) -> list[LoadPoint]:
+    """The plan's levels against a running ``xgr serve`` at ``url`` (``first_errors`` as
+    ``http_sender``'s)."""
     import httpx
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
-        send = http_sender(client, plan.beam_width, plan.num_results, plan.deadline_ms)
+        send = http_sender(
+            client, plan.beam_width, plan.num_results, plan.deadline_ms, first_errors
+        )
         return await _levels(send, plan, progress)
 
 

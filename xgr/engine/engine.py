@@ -258,7 +258,9 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise XgrError("string prompts need a tokenizer in the model folder")
-            tokens = list(self.tokenizer.encode(prompt, add_special_tokens=False).ids)
+            encoding = self.tokenizer.encode(prompt, add_special_tokens=False)
+            _refuse_unknown_pieces(self.tokenizer, prompt, encoding)
+            tokens = list(encoding.ids)
         else:
             raw = prompt.tolist() if hasattr(prompt, "tolist") else prompt
             if not isinstance(raw, list | tuple):
@@ -565,3 +567,20 @@ class PendingRecommendation:
             result.prefill_ms, result.decode_ms = out.prefill_ms, out.decode_ms
             results.append(result)
         return results
+
+
+def _refuse_unknown_pieces(tokenizer: Any, prompt: str, encoding: Any) -> None:
+    """Raise XgrError naming the first piece of ``prompt`` that the tokenizer could only map
+    to its unknown token (a typo such as ``<a_14 >`` would otherwise run as ``<unk>`` and
+    return results for a prompt nobody wrote). The unknown token written out is accepted.
+    Tokenizers without an unknown token (byte-level BPE) map every piece and pass."""
+    unk = getattr(tokenizer.model, "unk_token", None)
+    unk_id = tokenizer.token_to_id(unk) if unk else None
+    if unk_id is None:
+        return
+    for token_id, (start, end) in zip(encoding.ids, encoding.offsets, strict=True):
+        if token_id == unk_id and prompt[start:end] != unk:
+            raise XgrError(
+                f"unknown token {prompt[start:end]!r} at character {start} of the prompt: "
+                "not in the model's vocabulary"
+            )

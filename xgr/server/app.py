@@ -251,10 +251,26 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         if body.max_tokens is not None and body.max_tokens != levels:
             raise XgrError(f"max_tokens must equal the number of semantic-ID levels ({levels})")
         beam_width = body.beam_width or body.best_of or max(body.n, config.default_beam_width)
+        if body.n > beam_width:  # named as this API names them, not as the engine does
+            raise XgrError(
+                f"n ({body.n}) must not exceed the beam width ({beam_width}, from beam_width "
+                "or best_of)"
+            )
         check_search(beam_width, beam_width, body.n)
-        prompts = await asyncio.to_thread(
-            lambda: [engine.tokenize(p) for p in completion_prompts(body.prompt)]
-        )
+
+        def tokenize_all() -> list[list[int]]:
+            prompts = completion_prompts(body.prompt)
+            tokenized = []
+            for i, prompt in enumerate(prompts):
+                try:
+                    tokenized.append(engine.tokenize(prompt))
+                except XgrError as exc:  # say which prompt of several (same type: same status)
+                    if len(prompts) == 1:
+                        raise
+                    raise type(exc)(f"prompt {i}: {exc}") from exc
+            return tokenized
+
+        prompts = await asyncio.to_thread(tokenize_all)
         # All prompts of one completion are admitted together (or refused together), so they
         # share a batch and a full queue never runs part of a completion.
         answers = await answer_unless_disconnected(
@@ -263,6 +279,12 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         )
         if answers is None:  # nobody is listening
             return Response(status_code=499)
-        return completion_response(engine, [a.result for a in answers], body.n, state["started"])
+
+        def respond() -> bytes:  # up to 256 x 4096 choices: build and encode off the loop
+            results = [a.result for a in answers]
+            response = completion_response(engine, results, body.n, state["started"])
+            return response.model_dump_json().encode()
+
+        return Response(await asyncio.to_thread(respond), media_type="application/json")
 
     return app
