@@ -7,6 +7,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from xgr import Engine
+from xgr.core import XgrError
 from xgr.server.app import create_app
 from xgr.server.config import ServerConfig
 
@@ -265,3 +266,11 @@ def test_completion_indexes_follow_openai_numbering_with_a_small_catalog(tmp_pat
         choices = client.post("/v1/completions", json=body).json()["choices"]
     count = catalog.num_semantic_ids
     assert [c["index"] for c in choices] == [*range(count), *range(6, 6 + count)]
+
+
+def test_server_config_refuses_a_beam_limit_past_the_api_limit():
+    from xgr.server.schemas import MAX_BEAM_WIDTH
+
+    with pytest.raises(XgrError, match=f"limit of {MAX_BEAM_WIDTH}"):
+        ServerConfig(max_beam_width=MAX_BEAM_WIDTH + 1)
+    assert ServerConfig(max_beam_width=MAX_BEAM_WIDTH).max_beam_width == MAX_BEAM_WIDTH

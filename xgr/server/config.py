@@ -8,6 +8,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from xgr.core import XgrError, positive_int
 from xgr.scheduler.batcher import check_max_batch_ms
+from xgr.server.schemas import MAX_BEAM_WIDTH
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,11 @@ class ServerConfig:
                 self, name, positive_int(f"ServerConfig.{name}", getattr(self, name))
             )
         check_max_batch_ms(self.max_batch_ms)
+        if self.max_beam_width > MAX_BEAM_WIDTH:  # the request schema's own bound
+            raise XgrError(
+                f"ServerConfig.max_beam_width {self.max_beam_width} exceeds the API's "
+                f"limit of {MAX_BEAM_WIDTH}"
+            )
         if self.default_beam_width > self.max_beam_width:
             raise XgrError("ServerConfig.default_beam_width exceeds max_beam_width")
 
