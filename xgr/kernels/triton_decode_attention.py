@@ -282,15 +282,9 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         # Triton's tiles (tl.arange) and warp counts must be powers of two; a zero or
         # negative size would launch an empty grid and leave the output unwritten.
-        sizes = {
-            "block_m": self.block_m,
-            "block_n": self.block_n,
-            "num_warps": self.num_warps,
-            "merge_block_m": self.merge_block_m,
-            "merge_num_warps": self.merge_num_warps,
-        }
-        for name, value in sizes.items():
-            if name == "block_n" and value is None:
+        for name in ("block_m", "block_n", "num_warps", "merge_block_m", "merge_num_warps"):
+            value = getattr(self, name)
+            if name == "block_n" and value is None:  # None: chosen from head_dim
                 continue
             if not isinstance(value, int) or value < 1 or value & (value - 1):
                 raise ValueError(f"LaunchConfig.{name} must be a positive power of two: {value!r}")
@@ -404,7 +398,7 @@ def beam_decode_attention(
         programs = num_requests * splits if shared else num_requests
         block_m = config.block_m if shared else config.merge_block_m
         num_warps = config.num_warps if shared else config.merge_num_warps
-        blocks = triton.cdiv(beam_width * group, block_m)
+        blocks = row_blocks if shared else triton.cdiv(beam_width * group, block_m)
         _beam_decode_attention_kernel[(blocks, num_kv_heads, programs)](
             q, shared_k, shared_v, beam_k, beam_v, beam_rows, cu_seqlens, out, partial, lse,
             q.stride(0), q.stride(1),

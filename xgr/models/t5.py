@@ -36,12 +36,13 @@ from xgr.models.config import T5Config
 from xgr.models.t5_blocks import EncDecDecodeMetadata, T5Stack, residual_stack
 
 # The attention of ``encode_padded`` (the encoder's CUDA graph): "sdpa", PyTorch SDPA with the
-# square (S, heads, P, P) bias + padding mask (measured, the default), or "triton", xgr's
-# kernel reading the bias per key - query offset (tested, not yet timed on the GPU:
-# benchmarks/attention.py --encoder and t5_latency.py --encoder-attention time it; head
-# sizes it lacks keep SDPA). Set it before an engine captures its graphs (captured graphs
-# keep what they ran); encodes whose square mask would be too large for a graph still run
-# eagerly (``engine.cuda_graph.MAX_ENCODER_MASK_BYTES``), whichever is set.
+# square (S, heads, P, P) bias + padding mask (the default), or "triton", xgr's kernel
+# reading the bias per key - query offset (head sizes it lacks keep SDPA). On an H200 SDPA
+# was faster (benchmarks/attention.py --encoder: 173 against 189 us a layer for 8 x 1024
+# OneRec-like prompts; t5_latency.py --encoder-attention: 5.68 against 6.10 ms a request).
+# Set it before an engine captures its graphs (captured graphs keep what they ran); encodes
+# whose square mask would be too large for a graph still run eagerly
+# (``engine.cuda_graph.MAX_ENCODER_MASK_BYTES``), whichever is set.
 ENCODER_ATTENTION = "sdpa"
 
 __all__ = ["EncDecDecodeMetadata", "T5Seq2SeqLM"]
