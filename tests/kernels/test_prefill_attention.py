@@ -124,3 +124,18 @@ def test_packed_prefill_matches_the_reference_on_gpu(num_heads, num_kv_heads, he
     assert torch.isfinite(out).all()
     rel = (out.float() - ref).norm() / ref.norm()
     assert rel < 1e-2, rel
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN's output layout needs CUDA")
+def test_one_prompt_is_sdpa_output_in_place_on_gpu():
+    # One prompt skips the copy into a packed output: the result is SDPA's own output,
+    # token-major (contiguous), so the output projection reads it without a copy either.
+    q, k, v, cu = (
+        t.cuda() if isinstance(t, torch.Tensor) else t
+        for t in packed_inputs([1000], 16, 8, 128, torch.bfloat16)
+    )
+    out = prefill_attention_reference(q, k, v, cu, 128**-0.5)
+    assert out.shape == q.shape and out.is_contiguous()
+    expected = naive_causal(q.cpu(), k.cpu(), v.cpu(), 128**-0.5)
+    rel = (out.double().cpu() - expected).norm() / expected.norm()
+    assert rel < 1e-2, rel
