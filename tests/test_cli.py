@@ -49,6 +49,7 @@ def test_recommend_json_excludes_history(served_model_dir):
     assert result.exit_code == 0, result.output
     items = json.loads(result.output)["items"]
     assert len(items) >= 5 and "item3" not in {i["item_id"] for i in items}
+    assert json.loads(result.output)["complete"] is True
     assert all(i["title"] == f"Title of {i['item_id']}" for i in items)
 
 

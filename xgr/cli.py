@@ -264,11 +264,17 @@ def recommend(
         for rank, r in enumerate(result.items, 1)
     ]
     if as_json:
-        click.echo(json.dumps({"items": rows, "latency_ms": round(elapsed_ms, 1)}, indent=2))
+        report = {"items": rows, "complete": result.complete, "latency_ms": round(elapsed_ms, 1)}
+        click.echo(json.dumps(report, indent=2))
         return
     for row in rows:
         name = row["title"] or row["item_id"]
         click.echo(f"{row['rank']:>3}. {name:<55} {row['score']:>9.4f}  {row['semantic_id']}")
+    if not result.complete:
+        click.echo(
+            f"(fewer than {num_results} results: the {beam_width} final beams held no more "
+            "items outside the history; a larger --beam-width finds more)"
+        )
     click.echo(f"(beam width {beam_width}, {elapsed_ms:.1f} ms)")
 
 

@@ -83,7 +83,10 @@ class Client:
             ]
             timings = data["timings"]
             return RecommendResult(
-                items=items, prefill_ms=timings["prefill_ms"], decode_ms=timings["decode_ms"]
+                items=items,
+                prefill_ms=timings["prefill_ms"],
+                decode_ms=timings["decode_ms"],
+                complete=bool(data.get("complete", True)),
             )
         except (KeyError, TypeError, AttributeError) as exc:
             raise ServerError(

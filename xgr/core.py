@@ -105,6 +105,10 @@ class RecommendResult:
         prompt_tokens: prompt length in tokens.
         prefill_ms: wall time (ms) of the batch's prefill this prompt ran in.
         decode_ms: wall time (ms) of the batch's decode steps.
+        complete: False when the beam_width final beams held fewer than ``num_results``
+            semantic IDs with an item left after the exclusions (a history covering most
+            of what the model ranks high): ``items`` then has fewer semantic IDs than
+            asked; a wider beam finds more.
     """
 
     items: list[Recommendation] = field(default_factory=list)
@@ -112,3 +116,4 @@ class RecommendResult:
     prompt_tokens: int = 0
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
+    complete: bool = True

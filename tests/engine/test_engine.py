@@ -121,6 +121,27 @@ def test_exclude_item_ids_skips_and_refills(model_dirs):
     assert not banned & set(ids)
     assert len(ids) >= 5
     assert ids[:2] == [full.items[1].item_id, full.items[3].item_id]
+    assert full.complete and result.complete
+
+
+def test_exclusions_that_exhaust_the_beams_say_so(model_dirs):
+    catalog = random_catalog(300, 3, 16, seed=7)
+    engine = make_engine(model_dirs, catalog)
+    prompt = random_prompts([10])
+    (wide,) = engine.recommend(prompt, beam_width=8, top_k=8, num_results=8)
+    assert wide.complete and len(wide.semantic_ids) == 8
+    # Every item of the 8 final beams but those of the best one is excluded: 1 left of 3.
+    items = {
+        sid: [r.item_id for r in wide.items if r.semantic_id == sid] for sid, _ in wide.semantic_ids
+    }
+    best = wide.semantic_ids[0][0]
+    banned = {i for sid, ids in items.items() if sid != best for i in ids}
+    (short,) = engine.recommend(
+        prompt, beam_width=8, top_k=8, num_results=3, exclude_item_ids=[banned]
+    )
+    assert not short.complete
+    assert {r.semantic_id for r in short.items} == {best}
+    assert [codes for codes, _ in short.semantic_ids] == [s for s, _ in wide.semantic_ids[:3]]
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -93,6 +93,24 @@ def test_exclude_history(client):
     excluded = client.post("/v1/recommend", json={"history": [best], "beam_width": 16}).json()
     assert best not in {i["item_id"] for i in excluded["items"]}
     assert len({i["item_id"] for i in kept["items"]}) == len(kept["items"])
+    assert kept["complete"] and excluded["complete"]
+
+
+def test_response_says_when_exclusions_leave_too_few_results(client):
+    # The prompt holds the 20 most recent items; older ones are still excluded. Prepending
+    # the items of both final beams (beam 2) to the history leaves the prompt, and so the
+    # beams, unchanged, and excludes every item they hold.
+    recent = [f"item{i}" for i in range(20)]
+    body = {"history": recent, "beam_width": 2, "num_results": 2, "exclude_history": False}
+    top = client.post("/v1/recommend", json=body).json()
+    assert top["complete"] and len({i["semantic_id"] for i in top["items"]}) == 2
+    beams_items = [i["item_id"] for i in top["items"]]
+    body = {"history": beams_items + recent, "beam_width": 2, "num_results": 2}
+    answer = client.post("/v1/recommend", json=body)
+    assert answer.status_code == 200
+    excluded = set(beams_items + recent)
+    assert not excluded & {i["item_id"] for i in answer.json()["items"]}
+    assert answer.json()["complete"] is False
 
 
 def test_long_history_is_capped_by_the_prompt_format(client):

@@ -70,6 +70,7 @@ def test_200_concurrent_requests_each_equal_to_alone(base_url, engine):
             exclude_item_ids=[set(body["history"])],
         )
         assert [i["item_id"] for i in data["items"]] == [r.item_id for r in alone.items]
+        assert data["complete"] is alone.complete
         np.testing.assert_allclose(
             [i["score"] for i in data["items"]], [r.score for r in alone.items], atol=1e-4
         )
@@ -90,6 +91,7 @@ def test_client_returns_engine_results(base_url, engine):
         assert [r.item_id for r in result.items] == [r.item_id for r in alone.items]
         assert [r.semantic_id for r in result.items] == [r.semantic_id for r in alone.items]
         assert [r.title for r in result.items] == [f"Title of {r.item_id}" for r in alone.items]
+        assert result.complete is alone.complete is True
         np.testing.assert_allclose(
             [r.score for r in result.items], [r.score for r in alone.items], atol=1e-4
         )

@@ -474,6 +474,7 @@ class Engine:
             items = [i for i in self.catalog.items_of_semantic_id(sid) if i not in excluded]
             result.items.extend(Recommendation(i, score, codes, self.titles.get(i)) for i in items)
             taken += bool(items)
+        result.complete = taken == num_results
         return result
 
 

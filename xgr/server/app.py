@@ -227,6 +227,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
                 )
                 for r in result.items
             ],
+            complete=result.complete,
             timings=Timings(
                 queue_ms=times.queue * 1e3,
                 prefill_ms=times.prefill * 1e3,

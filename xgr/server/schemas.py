@@ -65,6 +65,10 @@ class RecommendResponse(BaseModel):
     request_id: str
     model: str
     items: list[RecommendedItem]
+    complete: bool = Field(
+        description="False when fewer than num_results semantic IDs with items were left "
+        "among the beam_width final beams after the exclusions (a wider beam finds more)."
+    )
     timings: Timings
 
 
