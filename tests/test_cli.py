@@ -55,6 +55,7 @@ def test_recommend_json_excludes_history(served_model_dir):
 
 def test_errors_are_messages_not_tracebacks(served_model_dir, tmp_path):
     model = str(served_model_dir)
+    (tmp_path / "file").write_text("")  # a --cache-dir below a file cannot be made
     cases = [
         (("recommend", "--model", model, "--history", "nope"), "unknown items in history: 'nope'"),
         (("recommend", "--history", "x"), "give exactly one of --demo and --model"),
@@ -92,6 +93,21 @@ def test_errors_are_messages_not_tracebacks(served_model_dir, tmp_path):
             "give --arch once (got qwen2, t5)",
         ),
         (("eval", "--demo", "--arch", "bert"), "'bert' is not one of 'qwen2', 't5'"),
+        # Refused before the evaluation runs, not after it.
+        (("eval", "--demo", "--k", "0"), "0 is not in the range x>=1"),
+        (("eval", "--demo", "--beam-width", "5"), "--beam-width 5 is below --k 10"),
+        (("eval", "--demo", "--output", str(tmp_path / "no" / "x.json")), "--output: no folder"),
+        (
+            (
+                "recommend",
+                "--demo",
+                "--cache-dir",
+                str(tmp_path / "file" / "sub"),
+                "--history",
+                "x",
+            ),
+            "Not a directory",
+        ),
     ]
     for args, message in cases:
         result = run(*args)

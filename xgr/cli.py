@@ -18,7 +18,10 @@ from xgr.demo.config import ARCHITECTURES, DEFAULT_ARCH
 DEFAULT_CACHE = Path("~/.cache/xgr/demo")
 
 
-def _fail(exc: XgrError) -> None:
+def _fail(exc: XgrError | OSError) -> None:
+    if isinstance(exc, OSError):  # a cache or output path that cannot be written
+        path = f": {exc.filename}" if exc.filename else ""
+        raise click.ClickException(f"{exc.strerror or exc}{path}") from exc
     raise click.ClickException(str(exc)) from exc
 
 
@@ -70,7 +73,7 @@ class ModelSource:
 
         try:
             return build_demo(self.cache_dir.expanduser(), DemoConfig.for_arch(self.arch))
-        except XgrError as exc:
+        except (XgrError, OSError) as exc:
             _fail(exc)
 
     def catalog(self):
@@ -280,8 +283,8 @@ def recommend(
 
 @main.command("eval")
 @_engine_options(demo_only=True)
-@click.option("--k", default=10, show_default=True, help="Metric cut-off.")
-@click.option("--beam-width", default=64, show_default=True)
+@click.option("--k", default=10, show_default=True, type=click.IntRange(1), help="Metric cut-off.")
+@click.option("--beam-width", default=64, show_default=True, type=click.IntRange(1))
 @click.option(
     "--max-users", default=None, type=click.IntRange(min=1), help="Evaluate only the first users."
 )
@@ -301,6 +304,10 @@ def evaluate(source, k, beam_width, max_users, output) -> None:
 
     if not source.demo:
         raise click.UsageError("eval runs on the demo's data: pass --demo")
+    if beam_width < k:  # before the evaluation, not after it
+        raise click.UsageError(f"--beam-width {beam_width} is below --k {k}")
+    if output is not None and not output.expanduser().parent.is_dir():
+        raise click.UsageError(f"--output: no folder {output.expanduser().parent}")
     reports = {}
     for arch_source in source.per_arch():
         engine = arch_source.load()
@@ -312,7 +319,7 @@ def evaluate(source, k, beam_width, max_users, output) -> None:
                 beam_width=beam_width,
                 max_users=max_users,
             )
-        except XgrError as exc:
+        except (XgrError, OSError) as exc:
             _fail(exc)
     first = next(iter(reports.values()))  # the same users, so the same popularity figures
     seconds = " + ".join(f"{r['seconds']} s" for r in reports.values())
@@ -324,7 +331,10 @@ def evaluate(source, k, beam_width, max_users, output) -> None:
     if output:
         # One architecture keeps the single report's layout; several are keyed by arch.
         written = first if len(reports) == 1 else reports
-        output.write_text(json.dumps(written, indent=2) + "\n")
+        try:
+            output.expanduser().write_text(json.dumps(written, indent=2) + "\n")
+        except OSError as exc:
+            _fail(exc)
 
 
 @main.command()

@@ -8,6 +8,7 @@ from typing import Any
 
 import httpx
 
+from xgr.catalog.history import history_entries
 from xgr.core import Recommendation, RecommendResult, XgrError
 
 _CODE = re.compile(r"<[a-z]+_(\d+)>")
@@ -60,8 +61,10 @@ class Client:
             ServerError: the server answered with an error (its message included), or could
                 not be reached (status 0).
         """
+        # numpy integers (item ids read from arrays) are not JSON: plain Python values.
+        entries = [h.item() if hasattr(h, "item") else h for h in history_entries(history)]
         body = {
-            "history": list(history),
+            "history": entries,
             "beam_width": beam_width,
             "top_k": top_k,
             "num_results": num_results,
@@ -105,10 +108,20 @@ class Client:
             response = self._http.post(path, json=body)
         except httpx.HTTPError as exc:
             raise ServerError(0, f"cannot reach {self._http.base_url}: {exc}") from exc
+        except (TypeError, ValueError) as exc:  # NaN, infinities, objects JSON cannot hold
+            raise XgrError(f"request body cannot be sent as JSON: {exc}") from exc
         if response.status_code != 200:
             try:
                 data = response.json()
                 message = data.get("error", response.text) if isinstance(data, dict) else None
+                if isinstance(data, dict) and isinstance(data.get("detail"), list):
+                    # A 422 names each field the schema refused.
+                    fields = "; ".join(
+                        f"{'.'.join(str(p) for p in d.get('loc', []))}: {d.get('msg')}"
+                        for d in data["detail"]
+                        if isinstance(d, dict)
+                    )
+                    message = f"{message} ({fields})" if fields else message
             except ValueError:
                 message = None
             raise ServerError(response.status_code, message or response.text[:500])

@@ -87,3 +87,9 @@ def test_title_starting_with_angle_bracket(catalog):
 def test_huge_codes_in_entries_are_unknown_not_crashes(catalog):
     with pytest.raises(XgrError, match="unknown items"):
         resolve_history(catalog, ["<a_" + "9" * 5000 + "><b_1><c_1>"])
+
+
+@pytest.mark.parametrize(("history", "message"), [("12", "got the string '12'"), (7, "got int")])
+def test_history_that_is_not_a_list_is_refused(catalog, history, message):
+    with pytest.raises(XgrError, match=message):
+        resolve_history(catalog, history)

@@ -33,6 +33,11 @@ def test_bad_histories():
         PromptFormat().build([], CATALOG, SID_MAP)
     with pytest.raises(XgrError, match=r"\['q', 'r'\]"):
         PromptFormat().build(["x", "q", "r"], CATALOG, SID_MAP)
+    # A bare string is not read character by character.
+    with pytest.raises(XgrError, match="got the string 'xy'"):
+        PromptFormat().build("xy", CATALOG, SID_MAP)
+    with pytest.raises(XgrError, match="got dict"):
+        PromptFormat().build({"x": 1}, CATALOG, SID_MAP)
 
 
 def test_from_model_dir(tmp_path):

@@ -254,6 +254,29 @@ def test_a_deadline_that_cannot_be_met_is_refused_at_admission():
     assert 9 not in [p[0] for c in engine.calls for p in c[0]]
 
 
+def test_a_deadline_passing_in_the_queue_is_answered_at_the_deadline():
+    engine = RecordingEngine()
+
+    async def scenario():
+        batcher = held_batcher(engine)
+        first = asyncio.ensure_future(batcher.submit(request(0)))
+        await asyncio.sleep(0.02)  # running, held: the next request waits behind it
+        started = time.perf_counter()
+        with pytest.raises(DeadlineExceededError, match="deadline passed after"):
+            await batcher.submit(request(9, deadline=time.perf_counter() + 0.05))
+        refused_in = time.perf_counter() - started
+        waiting = len(batcher._waiting)
+        engine.release.set()
+        await first
+        await batcher.stop()
+        return refused_in, waiting
+
+    refused_in, waiting = asyncio.run(scenario())
+    assert 0.04 < refused_in < 0.5  # at its deadline, while the batch ahead is still held
+    assert waiting == 0
+    assert 9 not in [p[0] for c in engine.calls for p in c[0]]
+
+
 def test_full_queue_is_refused_with_a_retry_time():
     engine = RecordingEngine()
 

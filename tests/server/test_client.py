@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
 from xgr import Client
 from xgr.client import ServerError
+from xgr.core import XgrError
 
 
 def client_answering(status: int, content: bytes, content_type: str) -> Client:
@@ -40,3 +43,46 @@ def test_unexpected_answers_raise_server_errors(status, content, content_type, m
         with pytest.raises(ServerError, match=message) as caught:
             client.recommend([1, 2])
     assert caught.value.status == status
+
+
+def test_422_names_the_refused_fields():
+    detail = [{"loc": ["body", "beam_width"], "msg": "too big"}]
+    body = json.dumps({"error": "invalid request body", "detail": detail}).encode()
+    with client_answering(422, body, "application/json") as client:
+        with pytest.raises(ServerError, match=r"invalid request body \(body.beam_width: too big\)"):
+            client.recommend([1])
+
+
+def test_bad_arguments_fail_before_sending():
+    sent = []
+    client = Client("http://stub.invalid")
+    client._http.close()
+    client._http = httpx.Client(
+        base_url="http://stub.invalid",
+        transport=httpx.MockTransport(lambda request: sent.append(request) or httpx.Response(500)),
+    )
+    with client:
+        with pytest.raises(XgrError, match="got the string '12'"):
+            client.recommend("12")
+        with pytest.raises(XgrError, match="cannot be sent as JSON"):
+            client.recommend([1], deadline_ms=float("nan"))
+    assert sent == []
+
+
+def test_numpy_item_ids_are_sent_as_numbers():
+    import numpy as np
+
+    bodies = []
+
+    def answer(request):
+        bodies.append(json.loads(request.content))
+        return httpx.Response(400, json={"error": "stop"})
+
+    client = Client("http://stub.invalid")
+    client._http.close()
+    client._http = httpx.Client(
+        base_url="http://stub.invalid", transport=httpx.MockTransport(answer)
+    )
+    with client, pytest.raises(ServerError, match="stop"):
+        client.recommend(np.array([3, 4]))
+    assert bodies[0]["history"] == [3, 4]

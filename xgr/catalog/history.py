@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from xgr.catalog.catalog import ItemCatalog
@@ -26,6 +26,22 @@ class ResolvedHistory:
 
     item_ids: list[str] = field(default_factory=list)
     excluded: set[str] = field(default_factory=set)
+
+
+def history_entries(history: object) -> list:
+    """A history as a list of its entries, refusing what is not a list of items.
+
+    A bare string would otherwise be read character by character ("12" as items 1 and 2).
+
+    Raises:
+        XgrError: a string, bytes, a mapping or anything not iterable.
+    """
+    if isinstance(history, str | bytes):
+        shown = history[:40]
+        raise XgrError(f"a history is a list of items, got the string {shown!r} ([{shown!r}]?)")
+    if isinstance(history, Mapping) or not isinstance(history, Iterable):
+        raise XgrError(f"a history is a list of items, got {type(history).__name__}")
+    return list(history)
 
 
 class TitleIndex:
@@ -80,8 +96,9 @@ def resolve_history(
 
     Raises:
         XgrError: naming every entry that matched nothing (up to 20), with close titles
-            when titles are known.
+            when titles are known; ``entries`` not a list (``history_entries``).
     """
+    entries = history_entries(entries)
     if titles is not None and not isinstance(titles, TitleIndex):
         titles = TitleIndex(catalog, titles)
     resolved = ResolvedHistory()

@@ -58,6 +58,7 @@ def build_demo(
 
     Raises:
         XgrError: the data could not be downloaded or parsed.
+        OSError: ``cache_dir`` cannot be made or written.
     """
     config = config or DemoConfig()
     cache_dir = Path(cache_dir).expanduser()
@@ -71,8 +72,8 @@ def build_demo(
             file=sys.stderr,
             flush=True,
         )
+    cache_dir.mkdir(parents=True, exist_ok=True)  # fail here, not after the download
     data = load_movielens(cache_dir)
-    cache_dir.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: an interrupted build leaves only a temp folder,
     # never a half-written model folder that a later call would reuse.
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=cache_dir))

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from xgr.catalog import ItemCatalog
+from xgr.catalog import ItemCatalog, history_entries
 from xgr.core import XgrError
 
 PROMPT_FORMAT_FILE = "xgr_prompt.json"
@@ -82,10 +82,11 @@ class PromptFormat:
             max_tokens: when given, drop the oldest items until the prompt fits.
 
         Raises:
-            XgrError: empty history, unknown item ids (all of them named), or a prompt that
-                cannot fit ``max_tokens`` even with a single item.
+            XgrError: empty history, unknown item ids (all of them named), a history that is
+                not a list (``history_entries``), or a prompt that cannot fit ``max_tokens``
+                even with a single item.
         """
-        items = [str(i) for i in history]
+        items = [str(i) for i in history_entries(history)]
         if not items:
             raise XgrError("empty history: at least one item is needed")
         unknown = [i for i in items if i not in catalog.item_index]

@@ -313,9 +313,24 @@ class RequestBatcher:
         for request in requests:
             request.future = loop.create_future()
             self._waiting.append(request)
+            if request.deadline is not None:
+                # Answered 504 when the deadline passes in the queue, not when the next batch
+                # is formed (which can be a whole batch's run time later).
+                loop.call_later(request.deadline - now, self._expire, request)
         self._wakeup.set()
         self._report_load()
         return [r.future for r in requests]
+
+    def _expire(self, request: QueuedRequest) -> None:
+        """The deadline timer of a request: a 504 if it is still waiting for its batch."""
+        if request.future.done() or not any(r is request for r in self._waiting):
+            return  # answered, withdrawn, or in a batch that has started
+        self._waiting = [r for r in self._waiting if r is not request]
+        waited_ms = (time.perf_counter() - request.arrived) * 1e3
+        request.future.set_exception(
+            DeadlineExceededError(f"deadline passed after {waited_ms:.0f} ms in the queue")
+        )
+        self._report_load()
 
     async def _answer(self, request: QueuedRequest, future: asyncio.Future) -> Answer:
         try:
