@@ -85,8 +85,11 @@ class Client:
                 for item in data["items"]
             ]
             timings = data["timings"]
+            # Items of one semantic ID are adjacent and share its score: one entry per ID.
+            semantic_ids = list(dict.fromkeys((r.semantic_id, r.score) for r in items))
             return RecommendResult(
                 items=items,
+                semantic_ids=semantic_ids,
                 prefill_ms=timings["prefill_ms"],
                 decode_ms=timings["decode_ms"],
                 complete=bool(data.get("complete", True)),

@@ -271,9 +271,14 @@ def corrupt(folder, name, text):
     [
         ("model.safetensors", "garbage", "SafetensorError"),
         ("config.json", "[1, 2]", "cannot"),
-        ("config.json", '{"model_type": "qwen2", "num_attention_heads": 0}', "cannot load"),
-        ("xgr_catalog.json", "{broken", "cannot load"),
-        ("tokenizer.json", "[]", "cannot load"),
+        ("config.json", '{"model_type": "qwen2", "num_attention_heads": 0}', "config.json has a"),
+        ("config.json", '{"model_type": "qwen2"}', "config.json lacks 'num_attention_heads'"),
+        ("xgr_catalog.json", "{broken", "cannot read .*xgr_catalog.json"),
+        ("tokenizer.json", "[]", "tokenizer.json"),
+        ("xgr_prompt.json", "[]", "xgr_prompt.json must be a JSON object"),
+        ("xgr_prompt.json", '{"prefix_tokens": "<a_0>"}', "must be a list of token strings"),
+        ("xgr_prompt.json", '{"max_history_items": true}', "max_history_items must be"),
+        ("items.json", '{"x": null}', "titles must be strings"),
     ],
 )
 def test_malformed_folders_raise_xgr_errors(tmp_path, name, text, fragment):
@@ -489,3 +494,23 @@ def test_a_batch_whose_graphs_were_dropped_after_its_check_captures_alone(model_
         thread.join(10)
     assert not x.is_alive() and not y.is_alive()
     assert sorted(captures) == [("X", True), ("Y", True)]  # both captured alone
+
+
+def test_catalog_with_fewer_levels_than_the_tokenizer_is_refused(tmp_path):
+    write_random_model(tmp_path, "qwen2")
+    write_code_tokenizer(tmp_path, 3, 16, OFFSET)  # <a_*>, <b_*>, <c_*>
+    with pytest.raises(XgrError, match=r"after 'b' \(<c_0>\), but the catalog has 2 levels"):
+        Engine.from_pretrained(tmp_path, random_catalog(20, 2, 16, seed=1))
+
+
+def test_catalog_code_the_tokenizer_lacks_is_named(tmp_path):
+    write_random_model(tmp_path, "qwen2")
+    write_code_tokenizer(tmp_path, 3, 8, OFFSET)  # codes 0..7 only
+    with pytest.raises(XgrError, match=r"the tokenizer has no <[abc]_\d+> token"):
+        Engine.from_pretrained(tmp_path, random_catalog(50, 3, 16, seed=1))
+
+
+def test_float_item_ids_in_exclusions_are_refused(model_dirs):
+    engine = make_engine(model_dirs, random_catalog(100, 3, 16, seed=2))
+    with pytest.raises(XgrError, match=r"exclude_item_ids\[0\] holds 181.0"):
+        engine.recommend(random_prompts([4]), exclude_item_ids=[[181.0]])

@@ -292,3 +292,10 @@ def test_server_config_refuses_a_beam_limit_past_the_api_limit():
     with pytest.raises(XgrError, match=f"limit of {MAX_BEAM_WIDTH}"):
         ServerConfig(max_beam_width=MAX_BEAM_WIDTH + 1)
     assert ServerConfig(max_beam_width=MAX_BEAM_WIDTH).max_beam_width == MAX_BEAM_WIDTH
+
+
+def test_completions_refuse_beam_width_and_best_of_that_differ(client):
+    body = {"prompt": [1, 2], "beam_width": 8, "best_of": 16, "max_tokens": 3}
+    answer = client.post("/v1/completions", json=body)
+    assert answer.status_code == 400
+    assert "beam_width (8) and its alias best_of (16) differ" in answer.json()["error"]

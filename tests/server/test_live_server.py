@@ -92,6 +92,9 @@ def test_client_returns_engine_results(base_url, engine):
         assert [r.semantic_id for r in result.items] == [r.semantic_id for r in alone.items]
         assert [r.title for r in result.items] == [f"Title of {r.item_id}" for r in alone.items]
         assert result.complete is alone.complete is True
+        # The answer carries items; the client rebuilds one semantic-ID entry per ID of them.
+        expected_ids = list(dict.fromkeys(r.semantic_id for r in alone.items))
+        assert [codes for codes, _ in result.semantic_ids] == expected_ids
         np.testing.assert_allclose(
             [r.score for r in result.items], [r.score for r in alone.items], atol=1e-4
         )

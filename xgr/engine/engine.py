@@ -6,7 +6,7 @@ import contextlib
 import logging
 import queue
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -484,10 +484,16 @@ def _item_id_set(ids: Any, index: int) -> set[str]:
     Raises:
         XgrError: a string (one id must still be in a list) or anything not iterable.
     """
-    if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
+    if isinstance(ids, str | bytes | Mapping) or not isinstance(ids, Iterable):
         raise XgrError(
             f"exclude_item_ids[{index}] must be a list of item ids, got {type(ids).__name__}"
         )
+    ids = list(ids)
+    # Item ids are strings (ints are read as their digits); a float such as 181.0 would be
+    # "181.0" and exclude nothing.
+    bad = [x for x in ids if isinstance(x, bool) or not isinstance(x, str | int | np.integer)]
+    if bad:
+        raise XgrError(f"exclude_item_ids[{index}] holds {bad[0]!r}: item ids are strings or ints")
     return {str(x) for x in ids}
 
 

@@ -46,7 +46,10 @@ def check_catalog_fingerprint(model_dir: Path, catalog: ItemCatalog) -> None:
     if not path.exists():
         logger.info("%s has no %s: catalog not checked", model_dir, CATALOG_METADATA_FILE)
         return
-    saved = json.loads(path.read_text()).get("fingerprint")
+    try:
+        saved = json.loads(path.read_text()).get("fingerprint")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise XgrError(f"cannot read {path}: {exc!r}") from exc
     if saved != catalog.fingerprint:
         raise XgrError(
             f"catalog fingerprint {catalog.fingerprint} does not match {saved} saved with the "
@@ -65,7 +68,10 @@ def load_titles(model_dir: Path) -> dict[str, str]:
         raise XgrError(f"cannot read {path}: {exc}") from exc
     if not isinstance(titles, dict):
         raise XgrError(f"{path} must be a JSON object of item id -> title")
-    return {str(k): str(v) for k, v in titles.items()}
+    bad = [k for k, v in titles.items() if not isinstance(v, str)]
+    if bad:
+        raise XgrError(f"{path}: titles must be strings; item {bad[0]!r} has {titles[bad[0]]!r}")
+    return {str(k): v for k, v in titles.items()}
 
 
 def load_tokenizer(model_dir: Path) -> Any:
@@ -77,4 +83,7 @@ def load_tokenizer(model_dir: Path) -> Any:
         return None
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(str(path))
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises its own (Rust) exception types
+        raise XgrError(f"cannot read {path}: {exc}") from exc

@@ -53,16 +53,20 @@ class PromptFormat:
             raw = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise XgrError(f"cannot read {path}: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise XgrError(f"{path} must be a JSON object, got {type(raw).__name__}")
 
         def ids(key: str) -> tuple[int, ...]:
             tokens = raw.get(key, [])
+            if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+                raise XgrError(f"{path}: {key} must be a list of token strings, got {tokens!r}")
             missing = [t for t in tokens if t not in vocab]
             if missing:
                 raise XgrError(f"{path}: {key} has tokens the tokenizer lacks: {missing}")
             return tuple(vocab[t] for t in tokens)
 
         limit = raw.get("max_history_items")
-        if limit is not None and (not isinstance(limit, int) or limit < 1):
+        if limit is not None and (type(limit) is not int or limit < 1):
             raise XgrError(f"{path}: max_history_items must be an integer >= 1 or null")
         return cls(ids("prefix_tokens"), ids("suffix_tokens"), limit)
 

@@ -48,9 +48,14 @@ def read_config(model_dir: str | Path) -> tuple[DecoderConfig | T5Config, dict]:
         raise XgrError(f"cannot read {path}: {exc}") from exc
     if not isinstance(raw, dict):
         raise XgrError(f"cannot read {path}: not a JSON object")
-    if raw.get("model_type") == T5_MODEL_TYPE:
-        return T5Config.from_hf(raw), raw
-    return DecoderConfig.from_hf(raw), raw
+    try:
+        if raw.get("model_type") == T5_MODEL_TYPE:
+            return T5Config.from_hf(raw), raw
+        return DecoderConfig.from_hf(raw), raw
+    except KeyError as exc:
+        raise XgrError(f"{path} lacks {exc.args[0]!r}, which its model type needs") from exc
+    except (TypeError, ValueError, ZeroDivisionError) as exc:
+        raise XgrError(f"{path} has a value of the wrong type or range: {exc}") from exc
 
 
 def read_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:

@@ -21,16 +21,21 @@ def tokenizer_vocab(model_dir: str | Path) -> dict[str, int]:
     vocab: dict[str, int] = {}
     model_dir = Path(model_dir)
     tok_file = model_dir / "tokenizer.json"
-    if tok_file.exists():
-        data = json.loads(tok_file.read_text())
-        model_vocab = (data.get("model") or {}).get("vocab")
-        if isinstance(model_vocab, dict):
-            vocab.update(model_vocab)
-        vocab.update({t["content"]: t["id"] for t in data.get("added_tokens", [])})
     cfg_file = model_dir / "tokenizer_config.json"
-    if cfg_file.exists():
-        decoder = json.loads(cfg_file.read_text()).get("added_tokens_decoder", {})
-        vocab.update({t["content"]: int(i) for i, t in decoder.items()})
+    path = tok_file
+    try:
+        if tok_file.exists():
+            data = json.loads(tok_file.read_text())
+            model_vocab = (data.get("model") or {}).get("vocab")
+            if isinstance(model_vocab, dict):
+                vocab.update(model_vocab)
+            vocab.update({t["content"]: t["id"] for t in data.get("added_tokens", [])})
+        path = cfg_file
+        if cfg_file.exists():
+            decoder = json.loads(cfg_file.read_text()).get("added_tokens_decoder", {})
+            vocab.update({t["content"]: int(i) for i, t in decoder.items()})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise XgrError(f"cannot read the tokenizer's {path}: {exc!r}") from exc
     return vocab
 
 
@@ -47,6 +52,12 @@ def sid_token_ids_from_tokenizer(model_dir: str | Path, catalog: ItemCatalog) ->
     if not vocab:
         raise XgrError(
             f"{model_dir} has no tokenizer to find the semantic-ID tokens in; pass sid_token_ids"
+        )
+    last = catalog.level_names[-1]
+    if len(last) == 1 and "a" <= last < "z" and f"<{chr(ord(last) + 1)}_0>" in vocab:
+        raise XgrError(
+            f"the tokenizer has codes of a level after {last!r} (<{chr(ord(last) + 1)}_0>), "
+            f"but the catalog has {catalog.num_levels} levels: the model was trained for more"
         )
     table = np.full((catalog.num_levels, catalog.codebook_size), -1, dtype=np.int64)
     for level, letter in enumerate(catalog.level_names):
@@ -86,8 +97,14 @@ def validate_sid_token_ids(table: Any, catalog: ItemCatalog, vocab_size: int) ->
     bad = used & ((table < 0) | (table >= vocab_size))
     if bad.any():
         level, code = (int(i) for i in np.argwhere(bad)[0])
+        name = f"<{catalog.level_names[level]}_{code}>"
+        if table[level, code] < 0:
+            raise XgrError(
+                f"the catalog uses code {code} of level {level}, but the tokenizer has no "
+                f"{name} token (is this catalog the model's?)"
+            )
         raise XgrError(
-            f"code {code} of level {level} (<{catalog.level_names[level]}_{code}>) maps to token "
-            f"id {int(table[level, code])}, outside the vocabulary of {vocab_size}"
+            f"code {code} of level {level} ({name}) maps to token id "
+            f"{int(table[level, code])}, outside the vocabulary of {vocab_size}"
         )
     return table

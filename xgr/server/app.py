@@ -251,6 +251,10 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         levels = engine.catalog.num_levels
         if body.max_tokens is not None and body.max_tokens != levels:
             raise XgrError(f"max_tokens must equal the number of semantic-ID levels ({levels})")
+        if body.beam_width and body.best_of and body.beam_width != body.best_of:
+            raise XgrError(
+                f"beam_width ({body.beam_width}) and its alias best_of ({body.best_of}) differ"
+            )
         beam_width = body.beam_width or body.best_of or max(body.n, config.default_beam_width)
         if body.n > beam_width:  # named as this API names them, not as the engine does
             raise XgrError(
