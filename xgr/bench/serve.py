@@ -136,6 +136,9 @@ async def run_levels(
                 samples = await open_loop(send, histories, load, duration, seed, bar.update)
             else:
                 samples = await fixed_concurrency(send, histories, int(load), duration, bar.update)
+            # Poisson arrivals: rate x duration was only the expected count.
+            bar.total = bar.n
+            bar.refresh()
         points.append(summarize(mode, load, samples, duration))
     return points
 
