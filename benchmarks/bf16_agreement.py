@@ -13,9 +13,11 @@ the request set. For each model it runs the same requests through:
 
 and reports, against each reference, the fraction of requests whose top-10 item sets are
 equal and the mean overlap, and each path's Recall@10 / NDCG@10 on the held-out items
-(history items excluded, as in ``xgr eval``). Against float32 the figure mixes bf16's own
-rounding (weights, activations) with the kernels'; against the bf16 reference it isolates
-what the served path's kernels and graphs change.
+(history items excluded, as in ``xgr eval``). Where the sets differ it also reports how far
+the differing items' reference scores lie from the reference's 10th score, and the fraction
+equal up to ties within 0.01 / 0.03 / 0.1 nats (a near-tie that rounding decides). Against
+float32 the figure mixes bf16's own rounding (weights, activations) with the kernels';
+against the bf16 reference it isolates what the served path's kernels and graphs change.
 
     python benchmarks/bf16_agreement.py --output bf16.json            # builds the demos if absent
     python benchmarks/bf16_agreement.py --output bf16.json --device cpu --users 50   # smoke
@@ -38,7 +40,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from xgr import Engine  # noqa: E402
 from xgr.demo import DemoConfig, build_demo, load_movielens  # noqa: E402
-from xgr.demo.evaluate import rank_items  # noqa: E402
 from xgr.demo.movielens import leave_one_out  # noqa: E402
 from xgr.evaluation.metrics import ndcg_at_k, recall_at_k  # noqa: E402
 
@@ -52,10 +53,51 @@ def reference_engine(folder: Path, device: str, dtype: str) -> Engine:
     return engine
 
 
-def agreement(got: list[list[str]], want: list[list[str]]) -> dict:
-    same = [set(a) == set(b) for a, b in zip(got, want, strict=True)]
-    overlap = [len(set(a) & set(b)) / K for a, b in zip(got, want, strict=True)]
-    return {"same_top10_set": sum(same) / len(same), "mean_overlap": sum(overlap) / len(overlap)}
+# Score gaps (nats of summed log-probability) at which a differing item counts as a near-tie.
+TIE_GAPS = (0.01, 0.03, 0.1)
+
+
+def rank_scored(engine: Engine, histories, beam_width: int, batch_size: int) -> list[dict]:
+    """Per history, every returned item (history excluded) -> its score, best first
+    (``rank_items`` with the scores kept; the first K are the top-K list)."""
+    ranked = []
+    for first in range(0, len(histories), batch_size):
+        batch = histories[first : first + batch_size]
+        results = engine.recommend(
+            [engine.history_prompt(h) for h in batch],
+            beam_width=beam_width,
+            top_k=beam_width,
+            num_results=beam_width,
+            exclude_item_ids=[set(h) for h in batch],
+        )
+        ranked.extend({r.item_id: r.score for r in res.items} for res in results)
+    return ranked
+
+
+def agreement(got: list[dict], want: list[dict]) -> dict:
+    """Requests with equal top-K item sets, mean overlap, and where the sets differ, how far
+    the differing items' scores in ``want`` lie from ``want``'s K-th score: a gap below
+    bf16's resolution is a near-tie that rounding decides either way."""
+    same, overlap, gaps = [], [], []
+    for a, b in zip(got, want, strict=True):
+        top_a, top_b = list(a)[:K], list(b)[:K]
+        same.append(set(top_a) == set(top_b))
+        overlap.append(len(set(top_a) & set(top_b)) / K)
+        if not same[-1] and len(top_b) == K:
+            cut = b[top_b[-1]]
+            differing = set(top_a) ^ set(top_b)
+            gaps.append(max(abs(b.get(i, float("-inf")) - cut) for i in differing))
+    n = len(same)
+    return {
+        "same_top10_set": sum(same) / n,
+        "mean_overlap": sum(overlap) / n,
+        "differing_requests": len(gaps),
+        # Requests whose sets are equal, or differ only by items within the gap of the cut.
+        "same_up_to_ties": {
+            str(gap): (sum(same) + sum(g <= gap for g in gaps)) / n for gap in TIE_GAPS
+        },
+        "largest_gap": max(gaps, default=0.0),
+    }
 
 
 def compare(folder: Path, histories, targets, beam_width, batch_size, device) -> dict:
@@ -65,21 +107,24 @@ def compare(folder: Path, histories, targets, beam_width, batch_size, device) ->
         "bfloat16 reference": reference_engine(folder, device, "bfloat16"),
         "bfloat16 served": Engine.from_pretrained(folder, device=device, dtype="bfloat16"),
     }
-    ranked = {
-        name: rank_items(engine, histories, K, beam_width, batch_size)
+    scored = {
+        name: rank_scored(engine, histories, beam_width, batch_size)
         for name, engine in runs.items()
     }
-    served = ranked["bfloat16 served"]
+    served = scored["bfloat16 served"]
     return {
         "requests": len(served),
-        "served_vs_float32": agreement(served, ranked["float32 reference"]),
-        "served_vs_bfloat16_reference": agreement(served, ranked["bfloat16 reference"]),
+        "served_vs_float32": agreement(served, scored["float32 reference"]),
+        "served_vs_bfloat16_reference": agreement(served, scored["bfloat16 reference"]),
+        "bfloat16_reference_vs_float32": agreement(
+            scored["bfloat16 reference"], scored["float32 reference"]
+        ),
         "quality": {
             name: {
-                f"recall@{K}": recall_at_k(lists, targets, K),
-                f"ndcg@{K}": ndcg_at_k(lists, targets, K),
+                f"recall@{K}": recall_at_k([list(r)[:K] for r in lists], targets, K),
+                f"ndcg@{K}": ndcg_at_k([list(r)[:K] for r in lists], targets, K),
             }
-            for name, lists in ranked.items()
+            for name, lists in scored.items()
         },
     }
 
@@ -107,7 +152,7 @@ def main() -> None:
         "results": {},
     }
     print(f"{'model':<8}{'requests':>9}{'same set vs f32':>17}{'vs bf16 ref':>13}"
-          f"{'R@10 f32':>10}{'R@10 served':>13}", flush=True)  # fmt: skip
+          f"{'up to 0.03 ties':>17}{'R@10 f32':>10}{'R@10 served':>13}", flush=True)  # fmt: skip
     for arch in args.arch:
         folder = build_demo(cache, DemoConfig.for_arch(arch))
         row = compare(folder, histories, targets, args.beam_width, args.batch_size, args.device)
@@ -119,6 +164,7 @@ def main() -> None:
             f"{arch:<8}{row['requests']:>9}"
             f"{row['served_vs_float32']['same_top10_set']:>17.3f}"
             f"{row['served_vs_bfloat16_reference']['same_top10_set']:>13.3f}"
+            f"{row['served_vs_float32']['same_up_to_ties']['0.03']:>17.3f}"
             f"{quality['float32 reference'][f'recall@{K}']:>10.4f}"
             f"{quality['bfloat16 served'][f'recall@{K}']:>13.4f}",
             flush=True,
