@@ -514,3 +514,10 @@ def test_float_item_ids_in_exclusions_are_refused(model_dirs):
     engine = make_engine(model_dirs, random_catalog(100, 3, 16, seed=2))
     with pytest.raises(XgrError, match=r"exclude_item_ids\[0\] holds 181.0"):
         engine.recommend(random_prompts([4]), exclude_item_ids=[[181.0]])
+
+
+def test_streams_on_the_cpu_are_ignored_with_a_warning(model_dirs, caplog):
+    with caplog.at_level("WARNING", logger="xgr.engine.engine"):
+        engine = make_engine(model_dirs, random_catalog(50, 3, 16, seed=3), cuda_streams=4)
+    assert engine.lanes == 1
+    assert "cuda_streams=4 ignored on the CPU" in caplog.text

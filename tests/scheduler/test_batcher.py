@@ -287,7 +287,9 @@ def test_full_queue_is_refused_with_a_retry_time():
         await asyncio.sleep(0.02)  # running, held
         held = asyncio.ensure_future(run_concurrently(batcher, [request(i) for i in range(1, 4)]))
         await asyncio.sleep(0.02)  # three waiting
-        with pytest.raises(QueueFullError) as refused:
+        with pytest.raises(
+            QueueFullError, match=r"queue is full \(3 requests are waiting\); retry in 7 s"
+        ) as refused:
             await batcher.submit(request(9))
         engine.release.set()
         answers = [await first, *(await held)]

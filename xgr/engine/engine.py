@@ -126,6 +126,8 @@ class Engine:
         cuda_streams = positive_int("cuda_streams", cuda_streams)
         pipeline_depth = positive_int("pipeline_depth", pipeline_depth)
         lanes = cuda_streams if cuda else 1
+        if cuda_streams > 1 and not cuda:
+            logger.warning("cuda_streams=%d ignored on the CPU: one batch at a time", cuda_streams)
         self.graphs = CudaGraphs(model) if cuda_graphs and cuda else None
         # Streams run batches concurrently. One stream is the one current at construction,
         # fixed, so that its batches queue in order whichever thread launches them; several

@@ -297,7 +297,10 @@ class RequestBatcher:
         if len(self._waiting) + len(requests) > self.max_queue:
             backlog = sum(self.cost(r) for r in self._waiting)
             retry = max(1, math.ceil(self.latency.predict(backlog)))
-            raise QueueFullError(f"{len(self._waiting)} requests are waiting", retry)
+            waiting = len(self._waiting)
+            raise QueueFullError(
+                f"the queue is full ({waiting} requests are waiting); retry in {retry} s", retry
+            )
         now = time.perf_counter()
         ahead = now + self.latency.predict(sum(self.cost(r) for r in self._waiting))
         for request in requests:
