@@ -97,6 +97,7 @@ def test_errors_are_messages_not_tracebacks(served_model_dir, tmp_path):
         (("eval", "--demo", "--k", "0"), "0 is not in the range x>=1"),
         (("eval", "--demo", "--beam-width", "5"), "--beam-width 5 is below --k 10"),
         (("eval", "--demo", "--output", str(tmp_path / "no" / "x.json")), "--output: no folder"),
+        (("eval", "--demo", "--output", "/proc/xgr-eval.json"), "--output: cannot write"),
         (
             (
                 "recommend",

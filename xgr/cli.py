@@ -18,6 +18,24 @@ from xgr.demo.config import ARCHITECTURES, DEFAULT_ARCH
 DEFAULT_CACHE = Path("~/.cache/xgr/demo")
 
 
+def _check_writable(path: Path) -> None:
+    """Refuse an output file that cannot be written, before the work that would fill it.
+
+    Raises:
+        click.UsageError: no such folder, or the file cannot be opened for writing.
+    """
+    if not path.parent.is_dir():
+        raise click.UsageError(f"--output: no folder {path.parent}")
+    existed = path.exists()
+    try:
+        with path.open("a"):
+            pass
+    except OSError as exc:
+        raise click.UsageError(f"--output: cannot write {path}: {exc.strerror}") from exc
+    if not existed:
+        path.unlink()
+
+
 def _fail(exc: XgrError | OSError) -> None:
     if isinstance(exc, OSError):  # a cache or output path that cannot be written
         path = f": {exc.filename}" if exc.filename else ""
@@ -274,9 +292,11 @@ def recommend(
         name = row["title"] or row["item_id"]
         click.echo(f"{row['rank']:>3}. {name:<55} {row['score']:>9.4f}  {row['semantic_id']}")
     if not result.complete:
+        found = len({r.semantic_id for r in result.items})
         click.echo(
-            f"(fewer than {num_results} results: the {beam_width} final beams held no more "
-            "items outside the history; a larger --beam-width finds more)"
+            f"(only {found} of the {num_results} semantic IDs asked for have items outside "
+            f"the history among the {beam_width} final beams; a larger --beam-width may find "
+            "more)"
         )
     click.echo(f"(beam width {beam_width}, {elapsed_ms:.1f} ms)")
 
@@ -306,8 +326,8 @@ def evaluate(source, k, beam_width, max_users, output) -> None:
         raise click.UsageError("eval runs on the demo's data: pass --demo")
     if beam_width < k:  # before the evaluation, not after it
         raise click.UsageError(f"--beam-width {beam_width} is below --k {k}")
-    if output is not None and not output.expanduser().parent.is_dir():
-        raise click.UsageError(f"--output: no folder {output.expanduser().parent}")
+    if output is not None:
+        _check_writable(output.expanduser())
     reports = {}
     for arch_source in source.per_arch():
         engine = arch_source.load()

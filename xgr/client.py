@@ -55,16 +55,16 @@ class Client:
         deadline_ms: float | None = None,
         request_id: str | None = None,
     ) -> RecommendResult:
-        """``POST /v1/recommend``; the same result type as ``Engine.recommend`` gives.
+        """``POST /v1/recommend``; the same result type as ``Engine.recommend`` gives, except
+        that ``semantic_ids`` lists only the IDs of the returned items (the answer does not
+        carry the IDs whose items were all excluded).
 
         Raises:
             ServerError: the server answered with an error (its message included), or could
                 not be reached (status 0).
         """
-        # numpy integers (item ids read from arrays) are not JSON: plain Python values.
-        entries = [h.item() if hasattr(h, "item") else h for h in history_entries(history)]
         body = {
-            "history": entries,
+            "history": [h.item() if hasattr(h, "item") else h for h in history_entries(history)],
             "beam_width": beam_width,
             "top_k": top_k,
             "num_results": num_results,
@@ -73,6 +73,8 @@ class Client:
             "deadline_ms": deadline_ms,
             "request_id": request_id,
         }
+        # numpy scalars (ids or sizes read from arrays) are not JSON: plain Python values.
+        body = {k: v.item() if hasattr(v, "item") else v for k, v in body.items()}
         data = self._post("/v1/recommend", {k: v for k, v in body.items() if v is not None})
         try:
             items = [
@@ -86,6 +88,8 @@ class Client:
             ]
             timings = data["timings"]
             # Items of one semantic ID are adjacent and share its score: one entry per ID.
+            # The answer carries items only, so IDs whose items were all excluded are absent
+            # (``Engine.recommend`` lists them).
             semantic_ids = list(dict.fromkeys((r.semantic_id, r.score) for r in items))
             return RecommendResult(
                 items=items,

@@ -89,7 +89,24 @@ def test_huge_codes_in_entries_are_unknown_not_crashes(catalog):
         resolve_history(catalog, ["<a_" + "9" * 5000 + "><b_1><c_1>"])
 
 
-@pytest.mark.parametrize(("history", "message"), [("12", "got the string '12'"), (7, "got int")])
+@pytest.mark.parametrize(
+    ("history", "message"),
+    [
+        ("12", "got the string '12'"),
+        (7, "got int"),
+        ({"1", "2"}, "not a set"),
+        (np.array(1), r"array of shape \(\)"),
+        (np.array([[1, 2]]), r"array of shape \(1, 2\)"),
+    ],
+    ids=["string", "int", "set", "0-d array", "2-d array"],
+)
 def test_history_that_is_not_a_list_is_refused(catalog, history, message):
     with pytest.raises(XgrError, match=message):
         resolve_history(catalog, history)
+
+
+def test_history_arrays_are_read_as_their_items(catalog):
+    import torch
+
+    for history in (np.array([127, 50]), torch.tensor([127, 50])):
+        assert resolve_history(catalog, history).item_ids == ["127", "50"]

@@ -496,11 +496,17 @@ def test_a_batch_whose_graphs_were_dropped_after_its_check_captures_alone(model_
     assert sorted(captures) == [("X", True), ("Y", True)]  # both captured alone
 
 
-def test_catalog_with_fewer_levels_than_the_tokenizer_is_refused(tmp_path):
+def test_catalog_with_other_levels_than_the_tokenizer_is_refused(tmp_path):
     write_random_model(tmp_path, "qwen2")
     write_code_tokenizer(tmp_path, 3, 16, OFFSET)  # <a_*>, <b_*>, <c_*>
-    with pytest.raises(XgrError, match=r"after 'b' \(<c_0>\), but the catalog has 2 levels"):
+    message = r"tokenizer has codes of levels a, b, c, but the catalog's levels are a, b:"
+    with pytest.raises(XgrError, match=message):
         Engine.from_pretrained(tmp_path, random_catalog(20, 2, 16, seed=1))
+    # The first level missing (the catalog's levels renamed b, c) is refused too.
+    later = random_catalog(20, 2, 16, seed=1)
+    later = ItemCatalog.from_codes(later.item_ids, later.codes, 16, level_names=("b", "c"))
+    with pytest.raises(XgrError, match="catalog's levels are b, c"):
+        Engine.from_pretrained(tmp_path, later)
 
 
 def test_catalog_code_the_tokenizer_lacks_is_named(tmp_path):

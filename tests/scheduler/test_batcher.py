@@ -277,6 +277,21 @@ def test_a_deadline_passing_in_the_queue_is_answered_at_the_deadline():
     assert 9 not in [p[0] for c in engine.calls for p in c[0]]
 
 
+def test_deadline_timers_are_released_with_the_answer():
+    engine = RecordingEngine()
+
+    async def scenario():
+        batcher = RequestBatcher(engine)
+        batcher.start()
+        far = [request(i, deadline=time.perf_counter() + 3600) for i in range(5)]
+        await run_concurrently(batcher, far)
+        await batcher.stop()
+        return far
+
+    # An hour-away timer would otherwise hold each request and its answer for that hour.
+    assert all(r.deadline_timer is None and r.future.done() for r in asyncio.run(scenario()))
+
+
 def test_full_queue_is_refused_with_a_retry_time():
     engine = RecordingEngine()
 

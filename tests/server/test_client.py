@@ -84,5 +84,6 @@ def test_numpy_item_ids_are_sent_as_numbers():
         base_url="http://stub.invalid", transport=httpx.MockTransport(answer)
     )
     with client, pytest.raises(ServerError, match="stop"):
-        client.recommend(np.array([3, 4]))
+        client.recommend(np.array([3, 4]), beam_width=np.int64(8), num_results=np.int32(2))
     assert bodies[0]["history"] == [3, 4]
+    assert (bodies[0]["beam_width"], bodies[0]["num_results"]) == (8, 2)

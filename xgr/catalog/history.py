@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
 from xgr.catalog.catalog import ItemCatalog
@@ -41,7 +41,11 @@ def history_entries(history: object) -> list:
         raise XgrError(f"a history is a list of items, got the string {shown!r} ([{shown!r}]?)")
     if isinstance(history, Mapping) or not isinstance(history, Iterable):
         raise XgrError(f"a history is a list of items, got {type(history).__name__}")
-    return list(history)
+    if isinstance(history, Set):
+        raise XgrError("a history is ordered (oldest first): give a list, not a set")
+    if getattr(history, "ndim", 1) != 1:  # numpy / torch arrays: one item per element
+        raise XgrError(f"a history is a flat list of items, got an array of shape {history.shape}")
+    return history.tolist() if hasattr(history, "tolist") else list(history)
 
 
 class TitleIndex:

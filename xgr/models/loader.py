@@ -52,9 +52,11 @@ def read_config(model_dir: str | Path) -> tuple[DecoderConfig | T5Config, dict]:
         if raw.get("model_type") == T5_MODEL_TYPE:
             return T5Config.from_hf(raw), raw
         return DecoderConfig.from_hf(raw), raw
+    except XgrError as exc:  # the configs' own checks (an XgrError is a ValueError too)
+        raise XgrError(f"{path}: {exc}") from exc
     except KeyError as exc:
         raise XgrError(f"{path} lacks {exc.args[0]!r}, which its model type needs") from exc
-    except (TypeError, ValueError, ZeroDivisionError) as exc:
+    except (TypeError, ValueError, ZeroDivisionError, AttributeError) as exc:
         raise XgrError(f"{path} has a value of the wrong type or range: {exc}") from exc
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,9 @@ import numpy as np
 
 from xgr.catalog import ItemCatalog
 from xgr.core import XgrError
+
+_CODE_TOKEN = re.compile(r"<([a-z])_\d+>")
+_CODE_LEVEL = re.compile(r"[a-z]")
 
 
 def tokenizer_vocab(model_dir: str | Path) -> dict[str, int]:
@@ -53,12 +57,17 @@ def sid_token_ids_from_tokenizer(model_dir: str | Path, catalog: ItemCatalog) ->
         raise XgrError(
             f"{model_dir} has no tokenizer to find the semantic-ID tokens in; pass sid_token_ids"
         )
-    last = catalog.level_names[-1]
-    if len(last) == 1 and "a" <= last < "z" and f"<{chr(ord(last) + 1)}_0>" in vocab:
-        raise XgrError(
-            f"the tokenizer has codes of a level after {last!r} (<{chr(ord(last) + 1)}_0>), "
-            f"but the catalog has {catalog.num_levels} levels: the model was trained for more"
-        )
+    # Codes named <letter_n>: the tokenizer's levels must be the catalog's (a catalog with a
+    # level missing would decode with the wrong tokens and rank nonsense).
+    letters = sorted({m[1] for t in vocab if (m := _CODE_TOKEN.fullmatch(t))})
+    # Checked only where both name levels a, b, c, ... (other names are another scheme).
+    as_levels = letters == [chr(ord("a") + i) for i in range(len(letters))]
+    if as_levels and letters and all(_CODE_LEVEL.fullmatch(n) for n in catalog.level_names):
+        if letters != sorted(catalog.level_names):
+            raise XgrError(
+                f"the tokenizer has codes of levels {', '.join(letters)}, but the catalog's "
+                f"levels are {', '.join(catalog.level_names)}: is this catalog the model's?"
+            )
     table = np.full((catalog.num_levels, catalog.codebook_size), -1, dtype=np.int64)
     for level, letter in enumerate(catalog.level_names):
         for code in range(catalog.codebook_size):

@@ -138,6 +138,7 @@ class QueuedRequest:
     arrived: float = field(default_factory=time.perf_counter)
     recorded: bool = True
     future: asyncio.Future | None = None
+    deadline_timer: asyncio.TimerHandle | None = None
 
 
 @dataclass(frozen=True)
@@ -319,7 +320,9 @@ class RequestBatcher:
             if request.deadline is not None:
                 # Answered 504 when the deadline passes in the queue, not when the next batch
                 # is formed (which can be a whole batch's run time later).
-                loop.call_later(request.deadline - now, self._expire, request)
+                request.deadline_timer = loop.call_later(
+                    request.deadline - now, self._expire, request
+                )
         self._wakeup.set()
         self._report_load()
         return [r.future for r in requests]
@@ -344,6 +347,12 @@ class RequestBatcher:
                 self._waiting.remove(request)
                 self._report_load()
             raise
+        finally:
+            # Answered, refused or withdrawn: the timer would otherwise hold the request and
+            # its answer until the deadline (up to an hour away).
+            if request.deadline_timer is not None:
+                request.deadline_timer.cancel()
+                request.deadline_timer = None
 
     def _next_batch(self) -> list[QueuedRequest]:
         """Take the next batch from the queue (see the module docstring); may be empty."""
