@@ -271,7 +271,16 @@ def corrupt(folder, name, text):
     [
         ("model.safetensors", "garbage", "SafetensorError"),
         ("config.json", "[1, 2]", "cannot"),
-        ("config.json", '{"model_type": "qwen2", "num_attention_heads": 0}', "config.json has a"),
+        (
+            "config.json",
+            '{"model_type": "qwen2", "num_attention_heads": 0}',
+            "config.json: num_attention_heads must be an integer >= 1, got 0",
+        ),
+        (
+            "config.json",
+            '{"model_type": "qwen2", "num_attention_heads": 2, "hidden_size": "64"}',
+            "hidden_size must be an integer >= 1, got '64'",
+        ),
         ("config.json", '{"model_type": "qwen2"}', "config.json lacks 'num_attention_heads'"),
         ("xgr_catalog.json", "{broken", "cannot read .*xgr_catalog.json"),
         ("tokenizer.json", "[]", "tokenizer.json"),

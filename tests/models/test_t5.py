@@ -256,6 +256,10 @@ def rewrite_config(src, dst, **changes):
         ({"decoder_start_token_id": 96}, "decoder_start_token_id 96"),
         ({"relative_attention_max_distance": 8}, "max_distance 8"),
         ({"d_ff": 64}, "do not match config.json"),
+        # Values of the wrong type are refused, not truncated or coerced.
+        ({"num_layers": 2.5}, "num_layers must be an integer >= 1, got 2.5"),
+        ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false"),
+        ({"decoder_start_token_id": True}, "decoder_start_token_id True"),
     ],
 )
 def test_bad_t5_configs_are_refused(tmp_path, t5_dirs, changes, message):

@@ -24,6 +24,40 @@ T5_FEED_FORWARD = {"relu": (False, "relu"), "gated-gelu": (True, "gelu_new")}
 T5_DEFAULT_MAX_PROMPT_TOKENS = 4096
 
 
+_MISSING = object()
+
+
+def _size(raw: dict[str, Any], key: str, default: Any = _MISSING, minimum: int = 1) -> int:
+    """config.json's ``key`` as an integer >= ``minimum`` (``default`` when absent or null).
+
+    Raises:
+        KeyError: absent with no default. XgrError: not an integer (a float, bool or string
+            would otherwise be truncated or coerced silently) or below ``minimum``.
+    """
+    value = raw.get(key)
+    if value is None:
+        if default is _MISSING:
+            raise KeyError(key)
+        return default
+    if type(value) is not int or value < minimum:
+        raise XgrError(f"{key} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _flag(raw: dict[str, Any], key: str, default: bool) -> bool:
+    """config.json's ``key`` as a JSON boolean (``default`` when absent or null).
+
+    Raises:
+        XgrError: not a boolean ("false" as a string would read as true).
+    """
+    value = raw.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise XgrError(f"{key} must be true or false, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class DecoderConfig:
     """Shape and numerics of a decoder-only transformer (Qwen2, Qwen3 or Llama).
@@ -87,29 +121,30 @@ class DecoderConfig:
             raise XgrError(
                 f"activation {act!r} is not supported; use one of {SUPPORTED_ACTIVATIONS}"
             )
-        num_heads = int(raw["num_attention_heads"])
-        num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+        num_heads = _size(raw, "num_attention_heads")
+        num_kv_heads = _size(raw, "num_key_value_heads", num_heads)
         if num_heads % num_kv_heads:
             raise XgrError(f"num_attention_heads {num_heads} not a multiple of {num_kv_heads}")
-        attention_bias = bool(raw.get("attention_bias", defaults["attention_bias"]))
+        hidden_size = _size(raw, "hidden_size")
+        attention_bias = _flag(raw, "attention_bias", defaults["attention_bias"])
         return cls(
             model_type=model_type,
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=int(raw["hidden_size"]),
-            intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
+            vocab_size=_size(raw, "vocab_size"),
+            hidden_size=hidden_size,
+            intermediate_size=_size(raw, "intermediate_size"),
+            num_layers=_size(raw, "num_hidden_layers"),
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
-            head_dim=int(raw.get("head_dim") or raw["hidden_size"] // num_heads),
+            head_dim=_size(raw, "head_dim", hidden_size // num_heads),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+            max_position_embeddings=_size(raw, "max_position_embeddings", 32768),
             attention_bias=attention_bias,
             # Qwen2 always biases q/k/v only; Qwen3 and Llama use attention_bias for o_proj too.
             o_proj_bias=attention_bias and model_type != "qwen2",
-            mlp_bias=model_type == "llama" and bool(raw.get("mlp_bias", False)),
+            mlp_bias=model_type == "llama" and _flag(raw, "mlp_bias", False),
             qk_norm=defaults["qk_norm"],
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=_flag(raw, "tie_word_embeddings", False),
             hidden_act=act,
         )
 
@@ -176,20 +211,18 @@ class T5Config:
                 f"{sorted(T5_FEED_FORWARD)}"
             )
         gated, act = T5_FEED_FORWARD[proj]
-        if "scale_decoder_outputs" in raw:
-            scale = bool(raw["scale_decoder_outputs"])
-        else:
-            scale = raw.get("tie_word_embeddings", True) is not False
-        vocab_size = int(raw.get("vocab_size", 32128))
+        tied = _flag(raw, "tie_word_embeddings", True)
+        scale = _flag(raw, "scale_decoder_outputs", tied)
+        vocab_size = _size(raw, "vocab_size", 32128)
         start = raw.get("decoder_start_token_id")
-        if start is None or not 0 <= int(start) < vocab_size:
+        if type(start) is not int or not 0 <= start < vocab_size:
             raise XgrError(
                 f"T5 decoder_start_token_id {start!r} is missing or outside the vocabulary "
                 f"of {vocab_size}"
             )
-        num_layers = int(raw.get("num_layers", 6))
-        buckets = int(raw.get("relative_attention_num_buckets", 32))
-        max_distance = int(raw.get("relative_attention_max_distance", 128))
+        num_layers = _size(raw, "num_layers", 6)
+        buckets = _size(raw, "relative_attention_num_buckets", 32)
+        max_distance = _size(raw, "relative_attention_max_distance", 128)
         # Each direction needs an exact bucket, and the log-spaced buckets a range to span:
         # the bucket formula divides by log(max_distance / exact), exact <= buckets // 2.
         if buckets < 4 or max_distance <= buckets // 2:
@@ -197,17 +230,15 @@ class T5Config:
                 f"T5 relative_attention_num_buckets {buckets} and max_distance {max_distance} "
                 "are out of range (need buckets >= 4 and max_distance > buckets // 2)"
             )
-        max_prompt = int(raw.get("n_positions") or T5_DEFAULT_MAX_PROMPT_TOKENS)
-        if max_prompt < 1:
-            raise XgrError(f"T5 n_positions {max_prompt} leaves no room for a prompt")
+        max_prompt = _size(raw, "n_positions", T5_DEFAULT_MAX_PROMPT_TOKENS)
         return cls(
             vocab_size=vocab_size,
-            d_model=int(raw.get("d_model", 512)),
-            d_kv=int(raw.get("d_kv", 64)),
-            d_ff=int(raw.get("d_ff", 2048)),
+            d_model=_size(raw, "d_model", 512),
+            d_kv=_size(raw, "d_kv", 64),
+            d_ff=_size(raw, "d_ff", 2048),
             num_layers=num_layers,
-            num_decoder_layers=int(raw.get("num_decoder_layers") or num_layers),
-            num_heads=int(raw.get("num_heads", 8)),
+            num_decoder_layers=_size(raw, "num_decoder_layers", num_layers),
+            num_heads=_size(raw, "num_heads", 8),
             relative_attention_num_buckets=buckets,
             relative_attention_max_distance=max_distance,
             layer_norm_epsilon=float(raw.get("layer_norm_epsilon", 1e-6)),
