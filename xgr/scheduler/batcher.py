@@ -127,6 +127,8 @@ class QueuedRequest:
         exclude: item ids left out of the result.
         deadline: ``time.perf_counter()`` after which it is not started; None for no deadline.
         recorded: counted in the metrics (False for the server's own warm-up request).
+        future, deadline_timer: set when queued (the answer; the timer that answers 504 at
+            the deadline if the request is still waiting, cancelled with the answer).
     """
 
     prompt: list[int]
