@@ -299,3 +299,13 @@ def test_completions_refuse_beam_width_and_best_of_that_differ(client):
     answer = client.post("/v1/completions", json=body)
     assert answer.status_code == 400
     assert "beam_width (8) and its alias best_of (16) differ" in answer.json()["error"]
+
+
+def test_body_that_is_not_utf8_is_a_clear_422(client):
+    answer = client.post(
+        "/v1/recommend",
+        content=b'{"history": ["\xff\xfe"]}',
+        headers={"content-type": "application/json"},
+    )
+    assert answer.status_code == 422
+    assert answer.json()["error"] == "invalid request body: not JSON text (UTF-8)"

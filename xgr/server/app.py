@@ -131,6 +131,13 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         # Same body shape as every other error (unknown route, unparsable body, ...).
+        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
+            # The framework's words for a body it cannot decode (bytes that are not UTF-8):
+            # as malformed JSON, a 422 that says what is wrong.
+            return JSONResponse(
+                status_code=422,
+                content={"error": "invalid request body: not JSON text (UTF-8)", "detail": []},
+            )
         return JSONResponse(
             status_code=exc.status_code, content={"error": str(exc.detail)}, headers=exc.headers
         )
