@@ -309,3 +309,13 @@ def test_body_that_is_not_utf8_is_a_clear_422(client):
     )
     assert answer.status_code == 422
     assert answer.json()["error"] == "invalid request body: not JSON text (UTF-8)"
+
+
+def test_body_sent_as_text_says_json_is_expected(client):
+    answer = client.post(
+        "/v1/recommend", content=b'{"history": ["item1"]}', headers={"content-type": "text/plain"}
+    )
+    assert answer.status_code == 422
+    assert answer.json()["error"] == (
+        "invalid request body: send JSON with content-type application/json"
+    )

@@ -143,11 +143,14 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         )
 
     @app.exception_handler(RequestValidationError)
-    async def bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         detail = [{"loc": [str(p) for p in e["loc"]], "msg": e["msg"]} for e in exc.errors()]
-        return JSONResponse(
-            status_code=422, content={"error": "invalid request body", "detail": detail}
-        )
+        error = "invalid request body"
+        if "json" not in request.headers.get("content-type", "").lower():
+            # The framework then reads the body as a string ("Input should be a valid
+            # dictionary"): say what it should have been.
+            error += ": send JSON with content-type application/json"
+        return JSONResponse(status_code=422, content={"error": error, "detail": detail})
 
     def check_search(beam_width: int, top_k: int, num_results: int) -> None:
         """Refuse before queueing, so one bad request never fails a shared batch."""
