@@ -319,3 +319,14 @@ def test_body_sent_as_text_says_json_is_expected(client):
     assert answer.json()["error"] == (
         "invalid request body: send JSON with content-type application/json"
     )
+
+
+def test_nan_deadline_is_named_as_not_finite(client):
+    answer = client.post(
+        "/v1/recommend",
+        content=b'{"history": ["item1"], "deadline_ms": NaN}',
+        headers={"content-type": "application/json"},
+    )
+    assert answer.status_code == 422
+    (detail,) = answer.json()["detail"]
+    assert detail["loc"][-1] == "deadline_ms" and detail["msg"] == "Input should be a finite number"

@@ -37,6 +37,7 @@ class RecommendRequest(BaseModel):
     )
     deadline_ms: float | None = Field(
         None,
+        allow_inf_nan=False,
         gt=0,
         le=3_600_000,
         description="Time by which the answer is wanted (ms): 504 at once when the requests "
@@ -94,7 +95,9 @@ class CompletionRequest(BaseModel):
     max_tokens: int | None = Field(
         None, ge=1, le=64, description="Must equal the number of semantic-ID levels."
     )
-    temperature: float | None = Field(None, ge=0, le=2, description="Ignored (beam search).")
+    temperature: float | None = Field(
+        None, allow_inf_nan=False, ge=0, le=2, description="Ignored (beam search)."
+    )
     user: str | None = Field(None, max_length=256)
 
 
