@@ -40,6 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from xgr import Engine  # noqa: E402
 from xgr.demo import DemoConfig, build_demo, load_movielens  # noqa: E402
+from xgr.demo.evaluate import score_items  # noqa: E402
 from xgr.demo.movielens import leave_one_out  # noqa: E402
 from xgr.evaluation.metrics import ndcg_at_k, recall_at_k  # noqa: E402
 
@@ -55,23 +56,6 @@ def reference_engine(folder: Path, device: str, dtype: str) -> Engine:
 
 # Score gaps (nats of summed log-probability) at which a differing item counts as a near-tie.
 TIE_GAPS = (0.01, 0.03, 0.1)
-
-
-def rank_scored(engine: Engine, histories, beam_width: int, batch_size: int) -> list[dict]:
-    """Per history, every returned item (history excluded) -> its score, best first
-    (``rank_items`` with the scores kept; the first K are the top-K list)."""
-    ranked = []
-    for first in range(0, len(histories), batch_size):
-        batch = histories[first : first + batch_size]
-        results = engine.recommend(
-            [engine.history_prompt(h) for h in batch],
-            beam_width=beam_width,
-            top_k=beam_width,
-            num_results=beam_width,
-            exclude_item_ids=[set(h) for h in batch],
-        )
-        ranked.extend({r.item_id: r.score for r in res.items} for res in results)
-    return ranked
 
 
 def agreement(got: list[dict], want: list[dict]) -> dict:
@@ -108,7 +92,7 @@ def compare(folder: Path, histories, targets, beam_width, batch_size, device) ->
         "bfloat16 served": Engine.from_pretrained(folder, device=device, dtype="bfloat16"),
     }
     scored = {
-        name: rank_scored(engine, histories, beam_width, batch_size)
+        name: score_items(engine, histories, beam_width, batch_size)
         for name, engine in runs.items()
     }
     served = scored["bfloat16 served"]

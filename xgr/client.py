@@ -74,8 +74,8 @@ class Client:
             "request_id": request_id,
         }
         # numpy scalars (ids or sizes read from arrays) are not JSON: plain Python values.
-        body = {k: v.item() if hasattr(v, "item") else v for k, v in body.items()}
-        data = self._post("/v1/recommend", {k: v for k, v in body.items() if v is not None})
+        body = {k: v.item() if hasattr(v, "item") else v for k, v in body.items() if v is not None}
+        data = self._post("/v1/recommend", body)
         try:
             items = [
                 Recommendation(

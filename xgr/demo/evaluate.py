@@ -112,7 +112,22 @@ def rank_items(
     Returns:
         one list of at most k item ids per history.
     """
-    ranked: list[list[str]] = []
+    scored = score_items(engine, histories, beam_width, batch_size, progress)
+    return [list(items)[:k] for items in scored]
+
+
+def score_items(
+    engine: Engine,
+    histories: Sequence[Sequence[str]],
+    beam_width: int,
+    batch_size: int = 64,
+    progress: bool = False,
+) -> list[dict[str, float]]:
+    """Each history's recommended items (its own excluded) -> score, best first: every item
+    of the ``beam_width`` semantic IDs ``rank_items`` asks for, with their summed
+    log-probabilities.
+    """
+    scored: list[dict[str, float]] = []
     bar = tqdm(total=len(histories), desc="evaluating", unit="user", disable=not progress)
     for first in range(0, len(histories), batch_size):
         batch = histories[first : first + batch_size]
@@ -123,10 +138,10 @@ def rank_items(
             num_results=beam_width,
             exclude_item_ids=[set(h) for h in batch],
         )
-        ranked.extend([r.item_id for r in res.items][:k] for res in results)
+        scored.extend({r.item_id: r.score for r in res.items} for res in results)
         bar.update(len(batch))
     bar.close()
-    return ranked
+    return scored
 
 
 def _scores(ranked: list[list[str]], targets: list[str], k: int) -> dict[str, float]:
