@@ -334,10 +334,7 @@ class RequestBatcher:
         if request.future.done() or not any(r is request for r in self._waiting):
             return  # answered, withdrawn, or in a batch that has started
         self._waiting = [r for r in self._waiting if r is not request]
-        waited_ms = (time.perf_counter() - request.arrived) * 1e3
-        request.future.set_exception(
-            DeadlineExceededError(f"deadline passed after {waited_ms:.0f} ms in the queue")
-        )
+        _refuse_late(request, time.perf_counter())
         self._report_load()
 
     async def _answer(self, request: QueuedRequest, future: asyncio.Future) -> Answer:
@@ -364,10 +361,7 @@ class RequestBatcher:
             if request.future.done():  # withdrawn
                 continue
             if request.deadline is not None and now > request.deadline:
-                waited_ms = (now - request.arrived) * 1e3
-                request.future.set_exception(
-                    DeadlineExceededError(f"deadline passed after {waited_ms:.0f} ms in the queue")
-                )
+                _refuse_late(request, now)
                 continue
             kept.append(request)
         self._waiting = kept
@@ -548,3 +542,11 @@ class RequestBatcher:
         if self.metrics:
             running = sum(len(b) for b in self._batches)
             self.metrics.set_load(running, len(self._waiting))
+
+
+def _refuse_late(request: QueuedRequest, now: float) -> None:
+    """Answer a queued request whose deadline passed at ``now`` (perf_counter s) with a 504."""
+    waited_ms = (now - request.arrived) * 1e3
+    request.future.set_exception(
+        DeadlineExceededError(f"deadline passed after {waited_ms:.0f} ms in the queue")
+    )
