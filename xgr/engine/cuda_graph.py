@@ -267,11 +267,12 @@ class CudaGraphs:
             shared = SharedKV(self._pool_k, self._pool_v, cu, [])
             # One request: a causal pass over the whole buffer (padding last changes nothing
             # before it); several: the packed attention launch keeps the sequences apart.
-            meta = PrefillMetadata(shared, [0, padded], cu, max_seqlen, packed=num > 1)
+            meta = PrefillMetadata(
+                shared, [0, padded], cu, max_seqlen, packed=num > 1, output_rows=last
+            )
 
             def run():
-                hidden = self.model(tokens, positions, meta)
-                return (hidden[last],)
+                return (self.model(tokens, positions, meta),)
 
             return (tokens, positions, cu, last), run
 

@@ -27,6 +27,7 @@ replay CUDA graphs per batch shape (``xgr.engine.cuda_graph``).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -140,10 +141,13 @@ def prefill(model: CausalLM, inputs: BatchInputs, shared: SharedKV) -> torch.Ten
         (R, hidden_size) final hidden state of each prompt's last token, model dtype.
     """
     meta = PrefillMetadata(
-        shared, inputs.cu_seqlens_host, inputs.cu_seqlens_int32, inputs.max_seqlen
+        shared,
+        inputs.cu_seqlens_host,
+        inputs.cu_seqlens_int32,
+        inputs.max_seqlen,
+        output_rows=inputs.last_index,
     )
-    hidden = model(inputs.tokens, inputs.positions, meta)
-    return hidden[inputs.last_index]
+    return model(inputs.tokens, inputs.positions, meta)
 
 
 def allocate_shared_kv(model: CausalLM | T5Seq2SeqLM, inputs: BatchInputs) -> SharedKV:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from xgr.kernels.decode_attention import decode_attention_reference
@@ -27,6 +28,11 @@ class PrefillMetadata:
         max_seqlen: the longest prompt (tokens); None: computed from cu_seqlens.
         packed: force (True) or forbid (False) the packed attention launch; None: the
             measured choice of ``prefill_attention``.
+        output_rows: (R,) int64 packed index of each prompt's last token on the model's
+            device, or None. When given, the model's forward returns (R, hidden) states of
+            these rows only, and its last layer runs attention, the output projection and
+            the MLP for them alone (it still writes the KV of every token): the other rows'
+            last-layer outputs are never read.
     """
 
     shared: SharedKV
@@ -34,6 +40,7 @@ class PrefillMetadata:
     cu_seqlens_device: torch.Tensor | None = None
     max_seqlen: int | None = None
     packed: bool | None = None
+    output_rows: torch.Tensor | None = None
 
 
 @dataclass
@@ -102,8 +109,13 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         meta: PrefillMetadata | DecodeMetadata,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x: (T, hidden) tokens (prompt tokens, or one per beam); returns (T, hidden)."""
+        """x: (T, hidden) tokens (prompt tokens, or one per beam); returns (T, hidden).
+
+        With ``rows`` (prefill only: (R,) int64 index of each prompt's last token), every
+        token's K/V is still written but only these rows attend, and (R, hidden) is returned.
+        """
         tokens, layer = x.shape[0], self.layer_index
         # Where this layer's new K/V go: the prompt KV (prefill; it may be a larger reused
         # buffer whose first tokens the batch fills) or each beam's next slot (decode).
@@ -119,7 +131,13 @@ class Attention(nn.Module):
         norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
         eps = self.q_norm.eps if self.qk_norm else 0.0
         q = qkv_heads(qkv, self.num_heads, self.num_kv_heads, cos, sin, k, v, *norms, eps)
-        if isinstance(meta, PrefillMetadata):
+        if rows is not None:
+            cu = meta.cu_seqlens_device
+            if cu is None:
+                cu = torch.tensor(meta.cu_seqlens, dtype=torch.int32, device=q.device)
+            out = last_token_attention(q[rows], k, v, cu, self.scale)
+            tokens = rows.shape[0]
+        elif isinstance(meta, PrefillMetadata):
             out = prefill_attention(
                 q, k, v, meta.cu_seqlens, self.scale, meta.cu_seqlens_device, meta.max_seqlen,
                 meta.packed,
@@ -151,6 +169,37 @@ class Attention(nn.Module):
         return decode_attention_reference(
             q, shared_k, shared_v, meta.cu_seqlens, own_k, own_v, meta.beam_width, self.scale
         )
+
+
+def last_token_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention of each prompt's last token over its whole prompt (the one row of causal
+    prefill attention that a prompt's final hidden state needs).
+
+    Args:
+        q: (R, num_heads, head_dim) query of the last token of each of R prompts.
+        k, v: (T, num_kv_heads, head_dim) packed prompt K/V; num_heads % num_kv_heads == 0.
+        cu_seqlens: (R + 1 or more,) int tensor on q's device; prompt r is rows
+            cu_seqlens[r] to cu_seqlens[r + 1] - 1 of k and v (later entries are ignored).
+        scale: softmax scale.
+
+    Returns:
+        (R, num_heads, head_dim) in q's dtype: SDPA with a mask that keeps each query within
+        its prompt, the query heads of one KV head stacked as rows (no K/V copy per head).
+    """
+    num, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    position = torch.arange(k.shape[0], device=q.device)
+    mask = (position >= cu_seqlens[:num, None]) & (position < cu_seqlens[1 : num + 1, None])
+    mask = mask.repeat_interleave(group, dim=0)  # (R * group, T), row = r * group + g
+    grouped = q.view(num, kv_heads, group, dim).transpose(0, 1).reshape(kv_heads, -1, dim)
+    out = F.scaled_dot_product_attention(
+        grouped[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
+        scale=scale,
+    )  # fmt: skip
+    return out[0].view(kv_heads, num, group, dim).transpose(0, 1).reshape(num, heads, dim)
 
 
 def qkv_heads(

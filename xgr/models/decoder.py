@@ -31,15 +31,20 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias)
 
     def forward(
-        self, x: torch.Tensor, cos, sin, meta, delta: torch.Tensor | None = None
+        self, x: torch.Tensor, cos, sin, meta, delta: torch.Tensor | None = None, rows=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: (T, hidden) residual stream; delta: the previous layer's MLP output, not yet
-        added to x (None for the first layer). Returns (residual stream, this MLP's output)."""
+        added to x (None for the first layer). Returns (residual stream, this MLP's output).
+
+        rows: (R,) int64 token rows whose outputs are wanted (prefill's last layer): every
+        token's K/V is written, the rest runs on these rows and returns R rows."""
         if delta is None:
             h = self.input_layernorm(x)
         else:
             x, h = self.input_layernorm(delta, residual=x)
-        attn = self.self_attn(h, cos, sin, meta)
+        attn = self.self_attn(h, cos, sin, meta, rows)
+        if rows is not None:
+            x = x[rows]
         x, h = self.post_attention_layernorm(attn, residual=x)
         return x, self.mlp(h)
 
@@ -89,15 +94,18 @@ class CausalLM(nn.Module):
             meta: prefill (writes the shared KV) or decode (writes the beams' KV) metadata.
 
         Returns:
-            (T, hidden_size) final hidden states in the model dtype.
+            (T, hidden_size) final hidden states in the model dtype; (R, hidden_size), those
+            of ``meta.output_rows``, when a prefill's metadata sets them.
         """
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         delta = None
-        for layer in self.model.layers:
-            x, delta = layer(x, cos, sin, meta, delta)
+        rows = meta.output_rows if isinstance(meta, PrefillMetadata) else None
+        last = len(self.model.layers) - 1
+        for index, layer in enumerate(self.model.layers):
+            x, delta = layer(x, cos, sin, meta, delta, rows if index == last else None)
         if delta is None:  # no layers
-            return self.model.norm(x)
+            return self.model.norm(x if rows is None else x[rows])
         return self.model.norm(delta, residual=x)[1]
 
     def fuse_projections(self) -> None:
