@@ -246,12 +246,40 @@ def test_non_finite_model_output_is_an_error_not_a_result(model_dirs):
 
 
 @pytest.mark.parametrize(
-    "prompt", [[1.5, 2], [True, 3], ["7"], 5, None], ids=["float", "bool", "str-id", "int", "none"]
-)
+    "prompt",
+    [
+        [1.5, 2], [True, 3], [5, 0, False], [np.True_, 9], ["7"], 5, None, [[1, 2], [3, 4]],
+        [1, [2]], [None, 3], [2**70], np.array([1.0, 2.0]), np.array([[1, 2]]),
+        np.array([True, False]),
+    ],
+    ids=[
+        "float", "bool", "bool-zero", "numpy-bool", "str-id", "int", "none", "nested",
+        "ragged", "none-item", "huge", "float-array", "2-d-array", "bool-array",
+    ],
+)  # fmt: skip
 def test_prompts_must_be_token_id_lists(model_dirs, prompt):
     engine = make_engine(model_dirs, random_catalog(50, 3, 16, seed=9))
     with pytest.raises(XgrError, match="list of integer token ids"):
         engine.recommend([prompt])
+    with pytest.raises(XgrError, match="list of integer token ids"):
+        engine.tokenize(prompt)
+
+
+def test_tokenize_gives_a_new_list_of_python_ints(model_dirs):
+    engine = make_engine(model_dirs, random_catalog(50, 3, 16, seed=9))
+    vocab = engine.model.config.vocab_size
+    for prompt in ([0, 1, vocab - 1], (4, 1), np.array([3, 0], dtype=np.int32), [np.int16(7), 2]):
+        tokens = engine.tokenize(prompt)
+        assert tokens == [int(t) for t in prompt]
+        assert all(type(t) is int for t in tokens)
+        assert tokens is not prompt
+    for bad in ([vocab], [-1, 2], np.array([vocab], dtype=np.uint64)):
+        with pytest.raises(XgrError, match=f"must be in \\[0, {vocab}\\)"):
+            engine.tokenize(bad)
+    with pytest.raises(XgrError, match="empty prompt"):
+        engine.tokenize([])
+    with pytest.raises(XgrError, match="empty prompt"):
+        engine.tokenize(np.array([], dtype=np.float32))
 
 
 def test_numpy_values_are_accepted(model_dirs):

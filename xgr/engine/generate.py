@@ -98,8 +98,9 @@ class BatchInputs:
         return [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
 
 
-def prepare_inputs(prompts: list[list[int]], device: torch.device) -> BatchInputs:
-    """Pack R non-empty token lists and copy them to ``device`` in one (async) transfer.
+def prepare_inputs(prompts: Sequence[Sequence[int]], device: torch.device) -> BatchInputs:
+    """Pack R non-empty token sequences (lists, or int64 arrays, which are not converted
+    again) and copy them to ``device`` in one (async) transfer.
 
     Returns:
         The batch's inputs; on CUDA the copy is from pinned memory and does not block.
@@ -108,17 +109,18 @@ def prepare_inputs(prompts: list[list[int]], device: torch.device) -> BatchInput
     cu = np.zeros(len(prompts) + 1, dtype=np.int64)
     np.cumsum(lens, out=cu[1:])
     total, num = int(cu[-1]), len(prompts)
-    host = np.empty(2 * total + 2 * num + num + 1, dtype=np.int64)
+    # On CUDA the buffer is pinned from the start (no staging copy), so the transfer below
+    # is queued without waiting; the caching host allocator keeps it until the copy is done.
+    packed = torch.empty(
+        2 * total + 3 * num + 1, dtype=torch.int64, pin_memory=device.type == "cuda"
+    )
+    host = packed.numpy()
     host[:total] = np.concatenate([np.asarray(p, dtype=np.int64) for p in prompts])
     host[total : 2 * total] = np.arange(total) - np.repeat(cu[:-1], lens)
     host[2 * total : 2 * total + num] = cu[1:] - 1
     host[2 * total + num : 2 * total + 2 * num] = lens
     host[2 * total + 2 * num :] = cu
-    packed = torch.from_numpy(host)
-    if device.type == "cuda":
-        packed = packed.pin_memory().to(device, non_blocking=True)
-    else:
-        packed = packed.to(device)
+    packed = packed.to(device, non_blocking=True)
     tokens, positions, last, prompt_lens, cu_dev = torch.split(
         packed, [total, total, num, num, num + 1]
     )
@@ -188,7 +190,7 @@ class PendingGeneration:
 
 def generate_semantic_ids(
     spec: DecodeSpec,
-    prompts: list[list[int]],
+    prompts: Sequence[Sequence[int]],
     beam_width: int,
     top_k: int,
     graphs=None,
@@ -197,7 +199,8 @@ def generate_semantic_ids(
 
     Args:
         spec: model, trie and scoring (``DecodeSpec.build``).
-        prompts: R non-empty lists of token ids (validated by the caller).
+        prompts: R non-empty token-id sequences (lists or int64 arrays; validated by the
+            caller).
         beam_width: beams kept per request.
         top_k: candidates per beam per step.
         graphs: an ``xgr.engine.cuda_graph.CudaGraphs`` to replay prefill and the decode
@@ -212,7 +215,7 @@ def generate_semantic_ids(
 @torch.inference_mode()
 def launch_semantic_ids(
     spec: DecodeSpec,
-    prompts: list[list[int]],
+    prompts: Sequence[Sequence[int]],
     beam_width: int,
     top_k: int,
     graphs=None,
