@@ -23,8 +23,13 @@ import triton.language as tl
 TILE_ELEMENTS = 4096
 
 
-def _rows_per_program(width: int) -> int:
-    return max(1, TILE_ELEMENTS // triton.next_power_of_2(width))
+# The q/k/v pass's tile: on the H200 (Qwen3-1.7B shape, bf16) 16 rows of 128 took 29.5 us at
+# 5120 tokens and 3.2 us at 256, against 35.2 and 3.7 us for 32 rows (4 warps either way).
+QKV_TILE_ELEMENTS = 2048
+
+
+def _rows_per_program(width: int, tile_elements: int = TILE_ELEMENTS) -> int:
+    return max(1, tile_elements // triton.next_power_of_2(width))
 
 
 @triton.jit
@@ -339,7 +344,7 @@ def qkv_heads(
         q_norm_weight = k_norm_weight = cos  # unread
     q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     rows = tokens * heads
-    block_m = _rows_per_program(head_dim)
+    block_m = _rows_per_program(head_dim, QKV_TILE_ELEMENTS)
     if rows:
         _qkv_heads_kernel[(triton.cdiv(rows, block_m),)](
             qkv, cos, sin, q_norm_weight, k_norm_weight, q, k_out, v_out, rows, eps,
