@@ -109,6 +109,54 @@ def profile_phases(phases: dict[str, Callable[[], object]], cuda: bool) -> tuple
     return report, lines
 
 
+def host_split(engine: Engine, prompts: list[list[int]], beam: int, cuda: bool) -> dict:
+    """Median wall ms of a served request's parts: the host work until its device work is
+    queued (``recommend_async``: checks, packing, graph replays), the wait for the device,
+    and the host work after it (``result``: item lookup); with ``tokenize`` and
+    ``prepare_inputs`` alone, and the host functions of one launch by own time (cProfile)."""
+    import cProfile
+    import pstats
+
+    parts = defaultdict(list)
+    for _ in range(9):
+        start = time.perf_counter()
+        [engine.tokenize(p) for p in prompts]
+        tokenized = time.perf_counter()
+        prepare_inputs(prompts, engine.device)
+        prepared = time.perf_counter()
+        if cuda:
+            torch.cuda.synchronize()
+        start_launch = time.perf_counter()
+        pending = engine.recommend_async(prompts, beam_width=beam, top_k=beam)
+        launched = time.perf_counter()
+        if pending._pending.events is not None:
+            pending._pending.events[-1].synchronize()
+        waited = time.perf_counter()
+        pending.result()
+        parts["tokenize"].append((tokenized - start) * 1e3)
+        parts["prepare_inputs"].append((prepared - tokenized) * 1e3)
+        parts["launch (recommend_async)"].append((launched - start_launch) * 1e3)
+        parts["device wait"].append((waited - launched) * 1e3)
+        parts["collect (result)"].append((time.perf_counter() - waited) * 1e3)
+    split = {name: statistics.median(times[2:]) for name, times in parts.items()}
+    profiler = cProfile.Profile()
+    profiler.enable()
+    pending = engine.recommend_async(prompts, beam_width=beam, top_k=beam)
+    profiler.disable()
+    pending.result()
+    stats = pstats.Stats(profiler).sort_stats("tottime")
+    split["launch_top_functions"] = [
+        (f"{func[0].rsplit('/', 1)[-1]}:{func[1]} {func[2]}", row[2] * 1e3)
+        for func, row in sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:12]
+    ]
+    for name, ms in split.items():
+        if name != "launch_top_functions":
+            print(f"host: {name:<28}{ms:8.3f} ms")
+    for name, ms in split["launch_top_functions"]:
+        print(f"  launch, own time: {ms:7.3f} ms  {name}")
+    return split
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", type=Path, required=True)
@@ -141,6 +189,7 @@ def main() -> None:
     shape = "tiny" if args.tiny else args.shape
     report = {"shape": shape, "prompt_len": args.prompt_len, "beam_width": beam}
     report.update(requests=args.requests, eager_ms=timed(engine), graph_ms=timed(graphed))
+    report["host_ms"] = host_split(graphed, prompts, beam, cuda)
     with torch.inference_mode():
         inputs = prepare_inputs(prompts, engine.device)
         from xgr.engine.generate import allocate_shared_kv
