@@ -85,6 +85,24 @@ def test_errors_are_messages_not_tracebacks(served_model_dir, tmp_path):
             ),
             "--num-results 10 exceeds --beam-width 8",
         ),
+        *(
+            (
+                ("bench", "serve", "--model", model, "--rate", "5", "--duration", "1", *extra),
+                message,
+            )
+            for extra, message in [
+                (("--output", str(tmp_path / "no" / "b.json")), "--output: no folder"),
+                (("--output", "/proc/xgr-bench.json"), "--output: cannot write"),
+                (
+                    ("--output", str(tmp_path / "b.json"), "--plot", str(tmp_path / "p.txt")),
+                    "--plot: give a file ending in .png, .svg, .pdf",
+                ),
+                (
+                    ("--output", str(tmp_path / "b.json"), "--plot", str(tmp_path / "file/p.png")),
+                    "--plot: no folder",
+                ),
+            ]
+        ),
         (("eval",), "pass --demo"),
         (("eval", "--model", model), "No such option '--model'"),
         (("recommend", "--model", model, "--arch", "t5", "--history", "x"), "pass --demo with"),

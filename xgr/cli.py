@@ -18,20 +18,24 @@ from xgr.demo.config import ARCHITECTURES, DEFAULT_ARCH
 DEFAULT_CACHE = Path("~/.cache/xgr/demo")
 
 
-def _check_writable(path: Path) -> None:
+# File types the latency plot can be written as (matplotlib picks the format by suffix).
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+def _check_writable(path: Path, option: str = "--output") -> None:
     """Refuse an output file that cannot be written, before the work that would fill it.
 
     Raises:
         click.UsageError: no such folder, or the file cannot be opened for writing.
     """
     if not path.parent.is_dir():
-        raise click.UsageError(f"--output: no folder {path.parent}")
+        raise click.UsageError(f"{option}: no folder {path.parent}")
     existed = path.exists()
     try:
         with path.open("a"):
             pass
     except OSError as exc:
-        raise click.UsageError(f"--output: cannot write {path}: {exc.strerror}") from exc
+        raise click.UsageError(f"{option}: cannot write {path}: {exc.strerror}") from exc
     if not existed:
         path.unlink()
 
@@ -443,7 +447,7 @@ def bench() -> None:
     "plot_path",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help="Latency-vs-throughput PNG (default: OUTPUT with .png).",
+    help="Latency-vs-throughput plot, .png, .svg or .pdf (default: OUTPUT with .png).",
 )
 def bench_serve(
     source,
@@ -477,6 +481,12 @@ def bench_serve(
         raise click.UsageError(f"--num-results {num_results} exceeds --beam-width {beam_width}")
     if not source.given:
         raise click.UsageError("give --demo or --model (its catalog supplies the histories)")
+    output = output.expanduser()
+    plot_path = (plot_path or output.with_suffix(".png")).expanduser()
+    if plot_path.suffix.lower() not in PLOT_SUFFIXES:
+        raise click.UsageError(f"--plot: give a file ending in {', '.join(PLOT_SUFFIXES)}")
+    _check_writable(output)  # before the run: its figures would be lost
+    _check_writable(plot_path, "--plot")
     first_errors: dict[str, str] = {}  # an HTTP run's first answer per error status
     try:
         if url is None:
@@ -509,7 +519,6 @@ def bench_serve(
         "max_batch_ms": max_batch_ms if url is None else None,
     }
     report = bench.write_report(points, settings, output)
-    plot_path = plot_path or output.with_suffix(".png")
     bench.plot(points, plot_path, f"xgr, beam width {beam_width} ({settings['target']})")
     for p in points:
         p99 = f"{p.p99_ms:.1f}" if p.p99_ms is not None else "-"

@@ -380,6 +380,12 @@ def test_from_index_json_non_utf8_raises_xgr_error(tmp_path):
         ItemCatalog.from_index_json(path)
 
 
+def test_from_index_json_reads_a_utf8_byte_order_mark(tmp_path):
+    path = tmp_path / "index.json"
+    path.write_bytes(b'\xef\xbb\xbf{"1": ["<a_1>"], "2": ["<a_3>"]}')
+    assert ItemCatalog.from_index_json(path).codes.tolist() == [[1], [3]]
+
+
 def test_from_index_json_duplicate_item_ids_raise(tmp_path):
     # BUG: json.loads keeps only the last of duplicate keys, so the item "1" -> <a_1> is
     # silently dropped instead of raising "duplicate item id".

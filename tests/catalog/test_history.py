@@ -45,8 +45,13 @@ def test_semantic_id_stands_for_all_its_items(catalog):
     assert resolved.excluded == {"187", "1401"}
 
 
-def test_duplicate_title_takes_first_catalog_item(catalog):
-    assert resolve_history(catalog, ["Chasing Amy (1997)"], TITLES).item_ids == ["246"]
+def test_duplicate_title_takes_first_catalog_item_and_excludes_all(catalog):
+    for entry in ("Chasing Amy (1997)", " chasing  AMY (1997)"):
+        resolved = resolve_history(catalog, [entry], TITLES)
+        assert resolved.item_ids == ["246"]
+        assert resolved.excluded == {"246", "1401"}
+    # An item id stands for that item alone.
+    assert resolve_history(catalog, ["1401"], TITLES).excluded == {"1401"}
 
 
 def test_titles_need_a_title_map(catalog):

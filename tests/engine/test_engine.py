@@ -290,6 +290,19 @@ def test_numpy_values_are_accepted(model_dirs):
     assert len(result.semantic_ids) == 2
 
 
+def test_num_results_as_arrays_and_exclusions_as_a_generator(model_dirs):
+    engine = make_engine(model_dirs, random_catalog(50, 3, 16, seed=9))
+    prompts = [[1, 2, 3], [4, 5]]
+    results = engine.recommend(prompts, beam_width=8, num_results=np.array([3, 4]))
+    assert [len(r.semantic_ids) for r in results] == [3, 4]
+    results = engine.recommend(prompts, beam_width=8, num_results=np.array(2))
+    assert [len(r.semantic_ids) for r in results] == [2, 2]
+    with pytest.raises(XgrError, match="num_results needs one entry per prompt"):
+        engine.recommend(prompts, beam_width=8, num_results=np.array([3]))
+    with pytest.raises(XgrError, match="exclude_item_ids must be a list .* got generator"):
+        engine.recommend(prompts, exclude_item_ids=(ids for ids in [["0"], ["1"]]))
+
+
 def corrupt(folder, name, text):
     (folder / name).write_text(text)
 
@@ -551,6 +564,21 @@ def test_catalog_code_the_tokenizer_lacks_is_named(tmp_path):
     write_code_tokenizer(tmp_path, 3, 8, OFFSET)  # codes 0..7 only
     with pytest.raises(XgrError, match=r"the tokenizer has no <[abc]_\d+> token"):
         Engine.from_pretrained(tmp_path, random_catalog(50, 3, 16, seed=1))
+
+
+def test_code_token_maps_must_be_integers_and_one_token_per_code(model_dirs):
+    catalog = random_catalog(50, 3, 16, seed=1)
+    table = sequential_sid_map(3, 16, OFFSET)
+    with pytest.raises(XgrError, match="integer token ids, got dtype float64"):
+        Engine.from_pretrained(model_dirs["qwen2"], catalog, sid_token_ids=table + 0.7)
+    shared = table.copy()
+    used = np.unique(catalog.codes[:, 1])
+    shared[1, used[1]] = shared[1, used[0]]
+    with pytest.raises(XgrError, match=f"codes {used[0]} and {used[1]} of level 1 both map"):
+        Engine.from_pretrained(model_dirs["qwen2"], catalog, sid_token_ids=shared)
+    # Levels may share tokens (one token per code, whatever the level).
+    same = np.tile(table[0], (3, 1))
+    Engine.from_pretrained(model_dirs["qwen2"], catalog, sid_token_ids=same)
 
 
 def test_float_item_ids_in_exclusions_are_refused(model_dirs):

@@ -238,6 +238,7 @@ def test_metrics_move_with_traffic(client, engine):
         ("/v1/completions", {"prompt": "<t1> hello <a_3>"}, 400, "unknown token 'hello'"),
         ("/v1/completions", {"prompt": ["<t1>", "<a_3 >"]}, 400, "prompt 1: unknown token '<a_3'"),
         ("/v1/completions", {"prompt": [1] * 300}, 413, "exceeds"),
+        ("/v1/completions", {"prompt": [1], "n": 200}, 400, "n (200) exceeds this server's"),
         ("/v1/completions", {"prompt": [[1], [1] * 300]}, 413, "prompt 1: prompt of 300"),
         ("/v1/completions", {"prompt": {"a": 1}}, 422, "prompt"),
         ("/v1/completions", {"prompt": [[1]] * 257}, 400, "at most 256"),
@@ -292,6 +293,24 @@ def test_server_config_refuses_a_beam_limit_past_the_api_limit():
     with pytest.raises(XgrError, match=f"limit of {MAX_BEAM_WIDTH}"):
         ServerConfig(max_beam_width=MAX_BEAM_WIDTH + 1)
     assert ServerConfig(max_beam_width=MAX_BEAM_WIDTH).max_beam_width == MAX_BEAM_WIDTH
+
+
+def test_empty_request_id_is_echoed(client):
+    body = {"history": ["item3"], "beam_width": 8, "num_results": 2, "request_id": ""}
+    assert client.post("/v1/recommend", json=body).json()["request_id"] == ""
+    del body["request_id"]
+    assert len(client.post("/v1/recommend", json=body).json()["request_id"]) == 32
+
+
+def test_the_warm_up_batch_is_not_in_the_metrics(engine):
+    with TestClient(create_app(engine, ServerConfig(max_beam_width=128))) as fresh:
+        label = (("model_name", engine.name),)
+        assert metric_values(fresh).get(("xgr:batch_size_count", label), 0) == 0
+        body = {"history": ["item3"], "beam_width": 8, "num_results": 2}
+        assert fresh.post("/v1/recommend", json=body).status_code == 200
+        after = metric_values(fresh)
+        assert after[("xgr:batch_size_count", label)] == 1
+        assert after[("xgr:batch_size_sum", label)] == 1
 
 
 def test_completions_refuse_beam_width_and_best_of_that_differ(client):

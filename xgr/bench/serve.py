@@ -165,13 +165,13 @@ def write_report(points: list[LoadPoint], settings: dict[str, Any], path: Path) 
         "max_error_fraction": MAX_ERROR_FRACTION,
         "max_throughput_within_budget": max((p.throughput for p in within), default=None),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 
 def plot(points: list[LoadPoint], path: Path, title: str) -> None:
-    """P50 and P99 latency against achieved throughput, one line per mode, as a PNG."""
+    """P50 and P99 latency against achieved throughput, one line per mode, in the format
+    of ``path``'s suffix (PNG, SVG or PDF)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -196,7 +196,6 @@ def plot(points: list[LoadPoint], path: Path, title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

@@ -130,7 +130,9 @@ class ItemCatalog:
                 between items, ragged code lengths, and every error of ``from_codes``.
         """
         try:
-            raw = json.loads(Path(path).read_text(encoding="utf-8"), object_pairs_hook=_unique_keys)
+            # utf-8-sig: a byte-order mark, as some Windows tools write, is not JSON's concern.
+            text = Path(path).read_text(encoding="utf-8-sig")
+            raw = json.loads(text, object_pairs_hook=_unique_keys)
         except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad UTF-8 or JSON
             raise XgrError(f"cannot read catalog index {path}: {exc}") from exc
         if not isinstance(raw, dict):

@@ -59,11 +59,16 @@ class TitleIndex:
     def __init__(self, catalog: ItemCatalog, titles: Mapping[str, str]) -> None:
         self.exact: dict[str, str] = {}
         self.folded: dict[str, str] = {}
+        # Titles (case-folded) that several items share -> all of them, in catalog order
+        # (MovieLens-100K has 18 such titles); kept apart so unique titles cost no list.
+        self._shared: dict[str, list[str]] = {}
         for item_id in catalog.item_ids:
             title = titles.get(item_id)
             if title is not None:
                 self.exact.setdefault(title, item_id)
-                self.folded.setdefault(_fold(title), item_id)
+                first = self.folded.setdefault(_fold(title), item_id)
+                if first != item_id:
+                    self._shared.setdefault(_fold(title), [first]).append(item_id)
 
     def __len__(self) -> int:
         return len(self.exact)
@@ -71,6 +76,14 @@ class TitleIndex:
     def lookup(self, text: str) -> str | None:
         """The item titled ``text`` (exactly, else ignoring case and spacing), or None."""
         return self.exact.get(text.strip()) or self.folded.get(_fold(text))
+
+    def items(self, text: str) -> list[str]:
+        """Every item titled ``text`` ignoring case and spacing, ``lookup``'s first; [] if
+        none."""
+        first = self.lookup(text)
+        if first is None:
+            return []
+        return [first] + [i for i in self._shared.get(_fold(text), ()) if i != first]
 
     def close_titles(self, text: str) -> list[str]:
         """Up to 5 titles close to ``text`` (none for catalogs over 20,000 titles)."""
@@ -91,7 +104,8 @@ def resolve_history(
     Each entry is tried, in order, as: an item id (str or int); a semantic ID such as
     ``"<a_1><b_2><c_3>"`` (its first item in catalog order builds the prompt); an exact
     title (``"Godfather, The (1972)"``); a title ignoring case and repeated spaces. When
-    several items share a title, the first in catalog order is taken.
+    several items share a title, the first in catalog order builds the prompt and all of
+    them are excluded (as for a semantic ID's items).
 
     Args:
         catalog: the served catalog.
@@ -131,8 +145,7 @@ def _lookup(catalog: ItemCatalog, text: str, titles: TitleIndex | None) -> list[
             pass  # maybe a title that starts with "<"
         else:
             return catalog.items_of_semantic_id(catalog.find_semantic_id(codes))
-    item_id = titles.lookup(text) if titles is not None else None
-    return [item_id] if item_id is not None else []
+    return titles.items(text) if titles is not None else []
 
 
 def _fold(title: str) -> str:

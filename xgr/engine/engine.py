@@ -334,6 +334,8 @@ class Engine:
         """
         if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence):
             raise XgrError("prompts must be a list of prompts")
+        if isinstance(num_results, np.ndarray):  # 0-d: one value; 1-d: one per prompt
+            num_results = num_results.tolist()
         if not isinstance(num_results, Sequence):  # one value for every prompt
             num_results = [num_results] * len(prompts)
         if len(num_results) != len(prompts):
@@ -343,6 +345,13 @@ class Engine:
         tokenized = [self._token_array(p) for p in prompts]
         excluded = [set()] * len(prompts)
         if exclude_item_ids is not None:
+            if isinstance(exclude_item_ids, str | bytes) or not isinstance(
+                exclude_item_ids, Sequence | np.ndarray
+            ):
+                raise XgrError(
+                    "exclude_item_ids must be a list with one entry (a list of item ids) per "
+                    f"prompt, got {type(exclude_item_ids).__name__}"
+                )
             if len(exclude_item_ids) != len(prompts):
                 raise XgrError("exclude_item_ids needs one entry per prompt")
             excluded = [_item_id_set(ids, i) for i, ids in enumerate(exclude_item_ids)]

@@ -87,10 +87,15 @@ def validate_sid_token_ids(table: Any, catalog: ItemCatalog, vocab_size: int) ->
         The table as (num_levels, codebook_size) int64.
 
     Raises:
-        XgrError: levels differ from the catalog's, the codebook is smaller than the catalog's,
-            or a code used by the catalog maps outside the vocabulary.
+        XgrError: not integers; levels differ from the catalog's; the codebook is smaller
+            than the catalog's; a code used by the catalog maps outside the vocabulary; or
+            two codes of one level used by the catalog map to one token (their scores could
+            not be told apart).
     """
-    table = np.asarray(table, dtype=np.int64)
+    raw = np.asarray(table)
+    if raw.size and raw.dtype.kind not in "iu":
+        raise XgrError(f"sid_token_ids must hold integer token ids, got dtype {raw.dtype}")
+    table = raw.astype(np.int64)
     if table.ndim != 2 or table.shape[0] != catalog.num_levels:
         raise XgrError(
             f"sid_token_ids has shape {table.shape}; the catalog has {catalog.num_levels} levels"
@@ -116,4 +121,14 @@ def validate_sid_token_ids(table: Any, catalog: ItemCatalog, vocab_size: int) ->
             f"code {code} of level {level} ({name}) maps to token id "
             f"{int(table[level, code])}, outside the vocabulary of {vocab_size}"
         )
+    for level in range(catalog.num_levels):
+        codes = np.flatnonzero(used[level])
+        tokens, counts = np.unique(table[level, codes], return_counts=True)
+        if (counts > 1).any():
+            token = int(tokens[counts > 1][0])
+            a, b = codes[table[level, codes] == token][:2]
+            raise XgrError(
+                f"codes {a} and {b} of level {level} both map to token id {token}: each code "
+                "needs its own token"
+            )
     return table

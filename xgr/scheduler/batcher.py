@@ -472,8 +472,9 @@ class RequestBatcher:
             return
         started = time.perf_counter()
         self._report_load()
-        if self.metrics:
-            self.metrics.observe_batch(len(live))
+        recorded = [r for r in live if r.recorded]
+        if self.metrics and recorded:  # the server's own warm-up batch is not traffic
+            self.metrics.observe_batch(len(recorded))
         args = ([r.prompt for r in live],)
         kwargs = dict(
             beam_width=beam_width,

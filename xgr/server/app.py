@@ -226,7 +226,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             return Response(status_code=499)
         result, times = answer.result, answer.times
         return RecommendResponse(
-            request_id=body.request_id or uuid.uuid4().hex,
+            request_id=body.request_id if body.request_id is not None else uuid.uuid4().hex,
             model=engine.name,
             items=[
                 RecommendedItem(
@@ -264,6 +264,11 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         if body.beam_width and body.best_of and body.beam_width != body.best_of:
             raise XgrError(
                 f"beam_width ({body.beam_width}) and its alias best_of ({body.best_of}) differ"
+            )
+        if not (body.beam_width or body.best_of) and body.n > config.max_beam_width:
+            raise XgrError(
+                f"n ({body.n}) exceeds this server's limit {config.max_beam_width} (n results "
+                "need a beam at least as wide)"
             )
         beam_width = body.beam_width or body.best_of or max(body.n, config.default_beam_width)
         if body.n > beam_width:  # named as this API names them, not as the engine does
