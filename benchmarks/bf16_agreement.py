@@ -9,6 +9,8 @@ the request set. For each model it runs the same requests through:
 
 - the references: eager, torch attention (the CPU path's kernels, on the GPU), in float32
   and in bfloat16;
+- the float32 reference with every weight rounded to bfloat16 first (float32 arithmetic):
+  how far the weights' rounding alone moves the results, whatever the kernels do;
 - the served path: bfloat16, CUDA graphs, Triton attention;
 
 and reports, against each reference, the fraction of requests whose top-10 item sets are
@@ -84,10 +86,20 @@ def agreement(got: list[dict], want: list[dict]) -> dict:
     }
 
 
+def rounded_weights_engine(folder: Path, device: str) -> Engine:
+    """The float32 reference path with its weights rounded to bfloat16 (float32 arithmetic)."""
+    engine = reference_engine(folder, device, "float32")
+    with torch.no_grad():
+        for parameter in engine.model.parameters():
+            parameter.copy_(parameter.to(torch.bfloat16))
+    return engine
+
+
 def compare(folder: Path, histories, targets, beam_width, batch_size, device) -> dict:
     """The served bf16 path of one model folder against the float32 and bf16 references."""
     runs = {
         "float32 reference": reference_engine(folder, device, "float32"),
+        "float32, weights rounded to bfloat16": rounded_weights_engine(folder, device),
         "bfloat16 reference": reference_engine(folder, device, "bfloat16"),
         "bfloat16 served": Engine.from_pretrained(folder, device=device, dtype="bfloat16"),
     }
@@ -102,6 +114,9 @@ def compare(folder: Path, histories, targets, beam_width, batch_size, device) ->
         "served_vs_bfloat16_reference": agreement(served, scored["bfloat16 reference"]),
         "bfloat16_reference_vs_float32": agreement(
             scored["bfloat16 reference"], scored["float32 reference"]
+        ),
+        "rounded_weights_vs_float32": agreement(
+            scored["float32, weights rounded to bfloat16"], scored["float32 reference"]
         ),
         "quality": {
             name: {
@@ -136,7 +151,8 @@ def main() -> None:
         "results": {},
     }
     print(f"{'model':<8}{'requests':>9}{'same set vs f32':>17}{'vs bf16 ref':>13}"
-          f"{'up to 0.03 ties':>17}{'R@10 f32':>10}{'R@10 served':>13}", flush=True)  # fmt: skip
+          f"{'up to 0.03 ties':>17}{'rounded weights':>17}{'R@10 f32':>10}"
+          f"{'R@10 served':>13}", flush=True)  # fmt: skip
     for arch in args.arch:
         folder = build_demo(cache, DemoConfig.for_arch(arch))
         row = compare(folder, histories, targets, args.beam_width, args.batch_size, args.device)
@@ -149,6 +165,7 @@ def main() -> None:
             f"{row['served_vs_float32']['same_top10_set']:>17.3f}"
             f"{row['served_vs_bfloat16_reference']['same_top10_set']:>13.3f}"
             f"{row['served_vs_float32']['same_up_to_ties']['0.03']:>17.3f}"
+            f"{row['rounded_weights_vs_float32']['same_top10_set']:>17.3f}"
             f"{quality['float32 reference'][f'recall@{K}']:>10.4f}"
             f"{quality['bfloat16 served'][f'recall@{K}']:>13.4f}",
             flush=True,
