@@ -93,18 +93,18 @@ def validate_sid_token_ids(table: Any, catalog: ItemCatalog, vocab_size: int) ->
             not be told apart).
     """
     raw = np.asarray(table)
-    if raw.size and raw.dtype.kind not in "iu":
-        raise XgrError(f"sid_token_ids must hold integer token ids, got dtype {raw.dtype}")
-    table = raw.astype(np.int64)
-    if table.ndim != 2 or table.shape[0] != catalog.num_levels:
+    if raw.ndim != 2 or raw.shape[0] != catalog.num_levels:
         raise XgrError(
-            f"sid_token_ids has shape {table.shape}; the catalog has {catalog.num_levels} levels"
+            f"sid_token_ids has shape {raw.shape}; the catalog has {catalog.num_levels} levels"
         )
-    if table.shape[1] < catalog.codebook_size:
+    if raw.shape[1] < catalog.codebook_size:
         raise XgrError(
-            f"sid_token_ids covers {table.shape[1]} codes per level; the catalog uses codes up to "
+            f"sid_token_ids covers {raw.shape[1]} codes per level; the catalog uses codes up to "
             f"{catalog.codebook_size - 1}"
         )
+    if raw.dtype.kind not in "iu":
+        raise XgrError(f"sid_token_ids must hold integer token ids, got dtype {raw.dtype}")
+    table = raw.astype(np.int64)
     used = np.zeros(table.shape, dtype=bool)
     for level in range(catalog.num_levels):
         used[level, np.unique(catalog.codes[:, level])] = True
