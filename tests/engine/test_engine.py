@@ -268,7 +268,10 @@ def test_prompts_must_be_token_id_lists(model_dirs, prompt):
 def test_tokenize_gives_a_new_list_of_python_ints(model_dirs):
     engine = make_engine(model_dirs, random_catalog(50, 3, 16, seed=9))
     vocab = engine.model.config.vocab_size
-    for prompt in ([0, 1, vocab - 1], (4, 1), np.array([3, 0], dtype=np.int32), [np.int16(7), 2]):
+    for prompt in (
+        [0, 1, vocab - 1], (4, 1), np.array([3, 0], dtype=np.int32), [np.int16(7), 2],
+        np.array([5, 6], dtype=object), np.arange(10, dtype=np.uint8)[::3],
+    ):  # fmt: skip
         tokens = engine.tokenize(prompt)
         assert tokens == [int(t) for t in prompt]
         assert all(type(t) is int for t in tokens)

@@ -494,6 +494,8 @@ def _integer_tokens(prompt: Any) -> np.ndarray:
         XgrError: anything else (floats, bools, strings, nested lists, other shapes).
     """
     refusal = "a prompt is a string or a list of integer token ids"
+    if isinstance(prompt, np.ndarray) and prompt.dtype == object:
+        prompt = prompt.tolist()  # Python objects: checked one by one as a list is
     if isinstance(prompt, np.ndarray):
         if prompt.ndim != 1 or (prompt.size and prompt.dtype.kind not in "iu"):
             raise XgrError(refusal)
