@@ -101,6 +101,8 @@ def test_errors_are_messages_not_tracebacks(served_model_dir, tmp_path):
                     ("--output", str(tmp_path / "b.json"), "--plot", str(tmp_path / "file/p.png")),
                     "--plot: no folder",
                 ),
+                (("--output", str(tmp_path / "r.png")), "--plot and --output name one file"),
+                (("--output", ""), "--output: give a file name"),
             ]
         ),
         (("eval",), "pass --demo"),

@@ -482,9 +482,13 @@ def bench_serve(
     if not source.given:
         raise click.UsageError("give --demo or --model (its catalog supplies the histories)")
     output = output.expanduser()
+    if not output.name:
+        raise click.UsageError("--output: give a file name")
     plot_path = (plot_path or output.with_suffix(".png")).expanduser()
     if plot_path.suffix.lower() not in PLOT_SUFFIXES:
         raise click.UsageError(f"--plot: give a file ending in {', '.join(PLOT_SUFFIXES)}")
+    if plot_path.resolve() == output.resolve():  # the plot would overwrite the report
+        raise click.UsageError(f"--plot and --output name one file, {output}: give --plot")
     _check_writable(output)  # before the run: its figures would be lost
     _check_writable(plot_path, "--plot")
     first_errors: dict[str, str] = {}  # an HTTP run's first answer per error status

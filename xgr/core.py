@@ -12,13 +12,26 @@ Invariants the engine keeps for every request:
 
 from __future__ import annotations
 
+import json
 import numbers
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 
 class XgrError(ValueError):
     """Bad input to xgr: the message names the argument and what was wrong with it."""
+
+
+def read_json(path: str | Path) -> Any:
+    """A JSON file parsed as UTF-8, with or without the byte-order mark some Windows tools
+    write (JSON itself has none).
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: not UTF-8 (``UnicodeDecodeError``) or not JSON (``JSONDecodeError``).
+    """
+    return json.loads(Path(path).read_text(encoding="utf-8-sig"))
 
 
 class ModelOutputError(XgrError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import json
 
 import numpy as np
@@ -250,11 +251,13 @@ def test_non_finite_model_output_is_an_error_not_a_result(model_dirs):
     [
         [1.5, 2], [True, 3], [5, 0, False], [np.True_, 9], ["7"], 5, None, [[1, 2], [3, 4]],
         [1, [2]], [None, 3], [2**70], np.array([1.0, 2.0]), np.array([[1, 2]]),
-        np.array([True, False]),
+        np.array([True, False]), [np.array(True), 3], np.ma.array([1, 10**6], mask=[0, 1]),
+        torch.tensor([1.0, 2.0]), torch.tensor([True]),
     ],
     ids=[
         "float", "bool", "bool-zero", "numpy-bool", "str-id", "int", "none", "nested",
         "ragged", "none-item", "huge", "float-array", "2-d-array", "bool-array",
+        "0-d-bool-item", "masked-array", "float-tensor", "bool-tensor",
     ],
 )  # fmt: skip
 def test_prompts_must_be_token_id_lists(model_dirs, prompt):
@@ -271,6 +274,7 @@ def test_tokenize_gives_a_new_list_of_python_ints(model_dirs):
     for prompt in (
         [0, 1, vocab - 1], (4, 1), np.array([3, 0], dtype=np.int32), [np.int16(7), 2],
         np.array([5, 6], dtype=object), np.arange(10, dtype=np.uint8)[::3],
+        torch.tensor([2, 9]), array.array("q", [4, 4]), [np.array(3), 8],
     ):  # fmt: skip
         tokens = engine.tokenize(prompt)
         assert tokens == [int(t) for t in prompt]
@@ -341,6 +345,22 @@ def test_malformed_folders_raise_xgr_errors(tmp_path, name, text, fragment):
     corrupt(tmp_path, name, text)
     with pytest.raises(XgrError, match=fragment):
         Engine.from_pretrained(tmp_path)
+
+
+def test_folder_json_files_may_start_with_a_byte_order_mark(tmp_path):
+    write_random_model(tmp_path, "qwen2")
+    write_code_tokenizer(tmp_path, 3, 16, OFFSET)
+    catalog = random_catalog(20, 3, 16, seed=1)
+    catalog.to_index_json(tmp_path / "catalog.index.json")
+    catalog.write_model_metadata(tmp_path)
+    (tmp_path / "items.json").write_text(
+        json.dumps({catalog.item_ids[0]: "Café (1999)"}), encoding="utf-8"
+    )
+    for name in ("config.json", "items.json", "catalog.index.json", "xgr_catalog.json"):
+        path = tmp_path / name
+        path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    engine = Engine.from_pretrained(tmp_path)
+    assert engine.titles == {catalog.item_ids[0]: "Café (1999)"}
 
 
 def test_missing_folder_and_model_without_room_for_a_prompt(tmp_path):

@@ -8,7 +8,7 @@ import torch
 from tests.conftest import ARCHS
 from xgr.kernels.prefill_attention import prefill_attention_reference
 from xgr.kv import SharedKV
-from xgr.layers.attention import PrefillMetadata, last_token_attention
+from xgr.layers.attention import LAST_TOKEN_CHUNK, PrefillMetadata, last_token_attention
 from xgr.models import load_causal_lm
 
 
@@ -28,6 +28,22 @@ def test_last_token_attention_is_the_causal_row_of_each_last_token(heads, kv_hea
     out = last_token_attention(q[last], k, v, cu_device, 0.3)
     assert out.shape == (len(lengths), heads, 16)
     torch.testing.assert_close(out, full[last], rtol=1e-12, atol=1e-12)
+
+
+def test_many_prompts_with_host_offsets_go_in_groups_with_the_same_result():
+    gen = torch.Generator().manual_seed(torch.seed())
+    lengths = torch.randint(1, 30, (LAST_TOKEN_CHUNK * 3 + 5,), generator=gen).tolist()
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    q, k, v = (torch.randn(cu[-1], n, 8, generator=gen, dtype=torch.float64) for n in (4, 2, 2))
+    last = torch.tensor(cu[1:]) - 1
+    want = prefill_attention_reference(q, k, v, cu, 0.5)[last]
+    device_cu = torch.tensor(cu, dtype=torch.int32)
+    grouped = last_token_attention(q[last], k, v, device_cu, 0.5, cu)
+    torch.testing.assert_close(grouped, want, rtol=1e-12, atol=1e-12)
+    # Without host offsets (a CUDA graph's case): one masked product, the same values.
+    torch.testing.assert_close(last_token_attention(q[last], k, v, device_cu, 0.5), want)
 
 
 def test_padding_after_the_prompts_is_not_attended():

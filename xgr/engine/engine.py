@@ -494,8 +494,12 @@ def _integer_tokens(prompt: Any) -> np.ndarray:
         XgrError: anything else (floats, bools, strings, nested lists, other shapes).
     """
     refusal = "a prompt is a string or a list of integer token ids"
+    if isinstance(prompt, np.ma.MaskedArray):  # its masked entries would escape the checks
+        raise XgrError(f"{refusal}, not a masked array")
     if isinstance(prompt, np.ndarray) and prompt.dtype == object:
         prompt = prompt.tolist()  # Python objects: checked one by one as a list is
+    elif not isinstance(prompt, np.ndarray | list | tuple | str) and hasattr(prompt, "tolist"):
+        prompt = prompt.tolist()  # torch tensors, array.array
     if isinstance(prompt, np.ndarray):
         if prompt.ndim != 1 or (prompt.size and prompt.dtype.kind not in "iu"):
             raise XgrError(refusal)
@@ -510,9 +514,10 @@ def _integer_tokens(prompt: Any) -> np.ndarray:
         return tokens.astype(np.int64)
     if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
         raise XgrError(refusal)
-    # NumPy reads True as 1 among ints; a bool can only have become a 0 or a 1.
+    # NumPy reads True as 1 among ints; a bool (Python's, NumPy's, a 0-d bool array) can only
+    # have become a 0 or a 1.
     for i in np.flatnonzero(tokens <= 1).tolist():
-        if isinstance(prompt[i], bool | np.bool_):
+        if np.asarray(prompt[i]).dtype.kind == "b":
             raise XgrError(refusal)
     return tokens
 

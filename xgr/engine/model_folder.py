@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -10,7 +9,7 @@ from typing import Any
 import torch
 
 from xgr.catalog import CATALOG_METADATA_FILE, ItemCatalog
-from xgr.core import XgrError
+from xgr.core import XgrError, read_json
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +46,7 @@ def check_catalog_fingerprint(model_dir: Path, catalog: ItemCatalog) -> None:
         logger.info("%s has no %s: catalog not checked", model_dir, CATALOG_METADATA_FILE)
         return
     try:
-        saved = json.loads(path.read_text()).get("fingerprint")
+        saved = read_json(path).get("fingerprint")
     except (OSError, ValueError, AttributeError) as exc:
         raise XgrError(f"cannot read {path}: {exc!r}") from exc
     if saved != catalog.fingerprint:
@@ -63,7 +62,7 @@ def load_titles(model_dir: Path) -> dict[str, str]:
     if not path.exists():
         return {}
     try:
-        titles = json.loads(path.read_text(encoding="utf-8"))
+        titles = read_json(path)
     except (OSError, ValueError) as exc:
         raise XgrError(f"cannot read {path}: {exc}") from exc
     if not isinstance(titles, dict):

@@ -11,7 +11,6 @@ just the items' tokens with no history cap.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from xgr.catalog import ItemCatalog, history_entries
-from xgr.core import XgrError
+from xgr.core import XgrError, read_json
 
 PROMPT_FORMAT_FILE = "xgr_prompt.json"
 
@@ -50,8 +49,8 @@ class PromptFormat:
         if not path.exists():
             return cls()
         try:
-            raw = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+            raw = read_json(path)
+        except (OSError, ValueError) as exc:
             raise XgrError(f"cannot read {path}: {exc}") from exc
         if not isinstance(raw, dict):
             raise XgrError(f"{path} must be a JSON object, got {type(raw).__name__}")

@@ -135,7 +135,7 @@ class Attention(nn.Module):
             cu = meta.cu_seqlens_device
             if cu is None:
                 cu = torch.tensor(meta.cu_seqlens, dtype=torch.int32, device=q.device)
-            out = last_token_attention(q[rows], k, v, cu, self.scale)
+            out = last_token_attention(q[rows], k, v, cu, self.scale, meta.cu_seqlens)
             tokens = rows.shape[0]
         elif isinstance(meta, PrefillMetadata):
             out = prefill_attention(
@@ -171,8 +171,18 @@ class Attention(nn.Module):
         )
 
 
+# Prompts per masked product when their offsets are known on the host: one product over a
+# whole batch costs prompts x batch tokens, which grows with the square of a large batch.
+LAST_TOKEN_CHUNK = 16
+
+
 def last_token_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    cu_seqlens_host: list[int] | None = None,
 ) -> torch.Tensor:
     """Attention of each prompt's last token over its whole prompt (the one row of causal
     prefill attention that a prompt's final hidden state needs).
@@ -183,11 +193,29 @@ def last_token_attention(
         cu_seqlens: (R + 1 or more,) int tensor on q's device; prompt r is rows
             cu_seqlens[r] to cu_seqlens[r + 1] - 1 of k and v (later entries are ignored).
         scale: softmax scale.
+        cu_seqlens_host: the same R + 1 offsets as host ints, if known (not inside a CUDA
+            graph, whose offsets are device values): then the prompts are taken
+            ``LAST_TOKEN_CHUNK`` at a time, each group over its own keys only.
 
     Returns:
         (R, num_heads, head_dim) in q's dtype: SDPA with a mask that keeps each query within
         its prompt, the query heads of one KV head stacked as rows (no K/V copy per head).
     """
+    num = q.shape[0]
+    if num <= LAST_TOKEN_CHUNK or cu_seqlens_host is None or len(cu_seqlens_host) != num + 1:
+        return _masked_last_token_attention(q, k, v, cu_seqlens, scale)
+    parts = []
+    for first in range(0, num, LAST_TOKEN_CHUNK):
+        end = min(first + LAST_TOKEN_CHUNK, num)
+        lo, hi = cu_seqlens_host[first], cu_seqlens_host[end]
+        offsets = cu_seqlens[first : end + 1] - lo
+        parts.append(_masked_last_token_attention(q[first:end], k[lo:hi], v[lo:hi], offsets, scale))
+    return torch.cat(parts)
+
+
+def _masked_last_token_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> torch.Tensor:
     num, heads, dim = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads

@@ -3,14 +3,13 @@ T5-family encoder-decoders."""
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-from xgr.core import XgrError
+from xgr.core import XgrError, read_json
 from xgr.models.config import T5_MODEL_TYPE, DecoderConfig, T5Config
 from xgr.models.decoder import CausalLM
 from xgr.models.t5 import T5Seq2SeqLM
@@ -43,8 +42,8 @@ def read_config(model_dir: str | Path) -> tuple[DecoderConfig | T5Config, dict]:
     else ``DecoderConfig``) and the raw dict. Raises XgrError."""
     path = Path(model_dir) / "config.json"
     try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        raw = read_json(path)
+    except (OSError, ValueError) as exc:
         raise XgrError(f"cannot read {path}: {exc}") from exc
     if not isinstance(raw, dict):
         raise XgrError(f"cannot read {path}: not a JSON object")
@@ -68,7 +67,7 @@ def read_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
     index = model_dir / _SHARD_INDEX
     if not index.exists():
         raise XgrError(f"{model_dir} has neither {_SINGLE_FILE} nor {_SHARD_INDEX}")
-    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    shards = sorted(set(read_json(index)["weight_map"].values()))
     state: dict[str, torch.Tensor] = {}
     for shard in shards:
         state.update(load_file(model_dir / shard))

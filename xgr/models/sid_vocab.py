@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -10,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from xgr.catalog import ItemCatalog
-from xgr.core import XgrError
+from xgr.core import XgrError, read_json
 
 _CODE_TOKEN = re.compile(r"<([a-z])_\d+>")
 _CODE_LEVEL = re.compile(r"[a-z]")
@@ -29,14 +28,14 @@ def tokenizer_vocab(model_dir: str | Path) -> dict[str, int]:
     path = tok_file
     try:
         if tok_file.exists():
-            data = json.loads(tok_file.read_text())
+            data = read_json(tok_file)
             model_vocab = (data.get("model") or {}).get("vocab")
             if isinstance(model_vocab, dict):
                 vocab.update(model_vocab)
             vocab.update({t["content"]: t["id"] for t in data.get("added_tokens", [])})
         path = cfg_file
         if cfg_file.exists():
-            decoder = json.loads(cfg_file.read_text()).get("added_tokens_decoder", {})
+            decoder = read_json(cfg_file).get("added_tokens_decoder", {})
             vocab.update({t["content"]: int(i) for i, t in decoder.items()})
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise XgrError(f"cannot read the tokenizer's {path}: {exc!r}") from exc
