@@ -56,6 +56,9 @@ def test_recommend_json_excludes_history(served_model_dir):
 def test_errors_are_messages_not_tracebacks(served_model_dir, tmp_path):
     model = str(served_model_dir)
     (tmp_path / "file").write_text("")  # a --cache-dir below a file cannot be made
+    (tmp_path / "report.json").write_text("{}")
+    (tmp_path / "hard.png").hardlink_to(tmp_path / "report.json")
+    (tmp_path / "loop.png").symlink_to(tmp_path / "loop.png")
     cases = [
         (("recommend", "--model", model, "--history", "nope"), "unknown items in history: 'nope'"),
         (("recommend", "--history", "x"), "give exactly one of --demo and --model"),
@@ -102,6 +105,19 @@ def test_errors_are_messages_not_tracebacks(served_model_dir, tmp_path):
                     "--plot: no folder",
                 ),
                 (("--output", str(tmp_path / "r.png")), "--plot and --output name one file"),
+                (
+                    (
+                        "--output",
+                        str(tmp_path / "report.json"),
+                        "--plot",
+                        str(tmp_path / "hard.png"),
+                    ),
+                    "--plot and --output name one file",
+                ),
+                (
+                    ("--output", str(tmp_path / "b.json"), "--plot", str(tmp_path / "loop.png")),
+                    "--plot: cannot write",
+                ),
                 (("--output", ""), "--output: give a file name"),
             ]
         ),
@@ -135,3 +151,14 @@ def test_errors_are_messages_not_tracebacks(served_model_dir, tmp_path):
         assert result.exit_code != 0, args
         assert message in result.output, (args, result.output)
         assert "Traceback" not in result.output
+    assert (tmp_path / "report.json").read_text() == "{}"
+
+
+def test_output_checks_leave_a_dangling_link_as_it_was(served_model_dir, tmp_path):
+    (tmp_path / "dangling.json").symlink_to(tmp_path / "target" / "report.json")
+    (tmp_path / "target").mkdir()
+    args = ["bench", "serve", "--model", str(served_model_dir), "--output"]
+    result = run(*args, str(tmp_path / "dangling.json"), "--rate", "0")
+    assert result.exit_code != 0 and "rate" in result.output
+    assert (tmp_path / "dangling.json").is_symlink()
+    assert not (tmp_path / "target" / "report.json").exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -25,19 +26,34 @@ PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 def _check_writable(path: Path, option: str = "--output") -> None:
     """Refuse an output file that cannot be written, before the work that would fill it.
 
+    A file this check creates is removed again; through a symbolic link, the link's target
+    is what is checked (and removed if created), the link is left alone.
+
     Raises:
         click.UsageError: no such folder, or the file cannot be opened for writing.
     """
-    if not path.parent.is_dir():
-        raise click.UsageError(f"{option}: no folder {path.parent}")
-    existed = path.exists()
+    target = Path(os.path.realpath(path))  # never raises, unlike Path.resolve on a loop
+    if not target.parent.is_dir():
+        raise click.UsageError(f"{option}: no folder {target.parent}")
+    existed = target.exists()
     try:
-        with path.open("a"):
+        with target.open("a"):
             pass
     except OSError as exc:
         raise click.UsageError(f"{option}: cannot write {path}: {exc.strerror}") from exc
     if not existed:
-        path.unlink()
+        target.unlink()
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one file: the same path once links are followed, or two hard
+    links of one existing file."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet): not one file
+        return False
 
 
 def _fail(exc: XgrError | OSError) -> None:
@@ -487,7 +503,7 @@ def bench_serve(
     plot_path = (plot_path or output.with_suffix(".png")).expanduser()
     if plot_path.suffix.lower() not in PLOT_SUFFIXES:
         raise click.UsageError(f"--plot: give a file ending in {', '.join(PLOT_SUFFIXES)}")
-    if plot_path.resolve() == output.resolve():  # the plot would overwrite the report
+    if _same_file(plot_path, output):  # the plot would overwrite the report
         raise click.UsageError(f"--plot and --output name one file, {output}: give --plot")
     _check_writable(output)  # before the run: its figures would be lost
     _check_writable(plot_path, "--plot")

@@ -252,12 +252,15 @@ def test_non_finite_model_output_is_an_error_not_a_result(model_dirs):
         [1.5, 2], [True, 3], [5, 0, False], [np.True_, 9], ["7"], 5, None, [[1, 2], [3, 4]],
         [1, [2]], [None, 3], [2**70], np.array([1.0, 2.0]), np.array([[1, 2]]),
         np.array([True, False]), [np.array(True), 3], np.ma.array([1, 10**6], mask=[0, 1]),
-        torch.tensor([1.0, 2.0]), torch.tensor([True]),
+        torch.tensor([1.0, 2.0]), torch.tensor([True]), memoryview(b"\x05"),
+        [torch.tensor(5, device="meta"), 6], [torch.tensor(5, dtype=torch.bfloat16)],
+        torch.tensor([5, 6]).to_sparse(), [np.uint64(2**63), -1],
     ],
     ids=[
         "float", "bool", "bool-zero", "numpy-bool", "str-id", "int", "none", "nested",
         "ragged", "none-item", "huge", "float-array", "2-d-array", "bool-array",
-        "0-d-bool-item", "masked-array", "float-tensor", "bool-tensor",
+        "0-d-bool-item", "masked-array", "float-tensor", "bool-tensor", "memoryview",
+        "meta-tensor-item", "bf16-tensor-item", "sparse-tensor", "beyond-int64",
     ],
 )  # fmt: skip
 def test_prompts_must_be_token_id_lists(model_dirs, prompt):
@@ -274,7 +277,8 @@ def test_tokenize_gives_a_new_list_of_python_ints(model_dirs):
     for prompt in (
         [0, 1, vocab - 1], (4, 1), np.array([3, 0], dtype=np.int32), [np.int16(7), 2],
         np.array([5, 6], dtype=object), np.arange(10, dtype=np.uint8)[::3],
-        torch.tensor([2, 9]), array.array("q", [4, 4]), [np.array(3), 8],
+        torch.tensor([2, 9]), array.array("q", [4, 4]), [np.array(3), 8], range(3, 6),
+        [np.uint64(5), np.int64(6)], [torch.tensor(5, dtype=torch.uint64), torch.tensor(6)],
     ):  # fmt: skip
         tokens = engine.tokenize(prompt)
         assert tokens == [int(t) for t in prompt]
@@ -356,7 +360,8 @@ def test_folder_json_files_may_start_with_a_byte_order_mark(tmp_path):
     (tmp_path / "items.json").write_text(
         json.dumps({catalog.item_ids[0]: "Café (1999)"}), encoding="utf-8"
     )
-    for name in ("config.json", "items.json", "catalog.index.json", "xgr_catalog.json"):
+    for name in ("config.json", "items.json", "catalog.index.json", "xgr_catalog.json",
+                 "tokenizer.json"):  # fmt: skip
         path = tmp_path / name
         path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
     engine = Engine.from_pretrained(tmp_path)

@@ -83,6 +83,8 @@ def load_tokenizer(model_dir: Path) -> Any:
     from tokenizers import Tokenizer
 
     try:
-        return Tokenizer.from_file(str(path))
+        # Read here (not Tokenizer.from_file) so that a byte-order mark is dropped, as for
+        # the folder's other JSON files.
+        return Tokenizer.from_str(path.read_text(encoding="utf-8-sig"))
     except Exception as exc:  # tokenizers raises its own (Rust) exception types
         raise XgrError(f"cannot read {path}: {exc}") from exc
