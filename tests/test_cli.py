@@ -121,6 +121,22 @@ def test_errors_are_messages_not_tracebacks(served_model_dir, tmp_path):
                 (("--output", ""), "--output: give a file name"),
             ]
         ),
+        (
+            ("bench", "serve", "--model", model, "--rate", "5", "--output", f"{model}/r.json"),
+            "holds the model's files and data",
+        ),
+        (
+            (
+                "eval",
+                "--demo",
+                "--cache-dir",
+                str(tmp_path / "c"),
+                "--output",
+                str(tmp_path / "c/x"),
+            ),
+            "holds the model's files and data",
+        ),
+        (("eval", "--demo", "--beam-width", "5000"), "--beam-width 5000 is above the limit 4096"),
         (("eval",), "pass --demo"),
         (("eval", "--model", model), "No such option '--model'"),
         (("recommend", "--model", model, "--arch", "t5", "--history", "x"), "pass --demo with"),

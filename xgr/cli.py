@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from xgr.catalog.catalog import DEFAULT_LEVEL_NAMES
-from xgr.core import XgrError
+from xgr.core import MAX_BEAM_WIDTH, XgrError
 from xgr.demo.config import ARCHITECTURES, DEFAULT_ARCH
 
 DEFAULT_CACHE = Path("~/.cache/xgr/demo")
@@ -43,6 +43,24 @@ def _check_writable(path: Path, option: str = "--output") -> None:
         raise click.UsageError(f"{option}: cannot write {path}: {exc.strerror}") from exc
     if not existed:
         target.unlink()
+
+
+def _refuse_inside_data(path: Path, option: str, source: ModelSource) -> None:
+    """Refuse an output file inside the folder the model's data comes from (the demo cache,
+    the model folder) or naming its catalog file: a report written over one of them (seen:
+    over the demo's ml-100k.inter) breaks every later run.
+
+    Raises:
+        click.UsageError: naming the folder.
+    """
+    real = Path(os.path.realpath(path))
+    for held in source.data_paths():
+        root = Path(os.path.realpath(held))
+        if real == root or root in real.parents:
+            raise click.UsageError(
+                f"{option}: {path} is in {held}, which holds the model's files and data: "
+                "write it elsewhere"
+            )
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -100,6 +118,13 @@ class ModelSource:
         """One source per ``--arch`` given (repeats dropped), in the order given."""
         archs = list(dict.fromkeys(self.archs)) or [self.arch]
         return [replace(self, archs=(arch,)) for arch in archs]
+
+    def data_paths(self) -> list[Path]:
+        """What a command reads besides its options: the demo cache, or the model folder and
+        ``--catalog``."""
+        if self.demo:
+            return [self.cache_dir.expanduser()]
+        return [p for p in (self.model_dir, self.catalog_path) if p is not None]
 
     def folder(self) -> Path:
         """The model folder (building the demo of ``arch`` on first use)."""
@@ -346,7 +371,10 @@ def evaluate(source, k, beam_width, max_users, output) -> None:
         raise click.UsageError("eval runs on the demo's data: pass --demo")
     if beam_width < k:  # before the evaluation, not after it
         raise click.UsageError(f"--beam-width {beam_width} is below --k {k}")
+    if beam_width > MAX_BEAM_WIDTH:
+        raise click.UsageError(f"--beam-width {beam_width} is above the limit {MAX_BEAM_WIDTH}")
     if output is not None:
+        _refuse_inside_data(output.expanduser(), "--output", source)
         _check_writable(output.expanduser())
     reports = {}
     for arch_source in source.per_arch():
@@ -505,8 +533,9 @@ def bench_serve(
         raise click.UsageError(f"--plot: give a file ending in {', '.join(PLOT_SUFFIXES)}")
     if _same_file(plot_path, output):  # the plot would overwrite the report
         raise click.UsageError(f"--plot and --output name one file, {output}: give --plot")
-    _check_writable(output)  # before the run: its figures would be lost
-    _check_writable(plot_path, "--plot")
+    for path, option in ((output, "--output"), (plot_path, "--plot")):
+        _refuse_inside_data(path, option, source)
+        _check_writable(path, option)  # before the run: its figures would be lost
     first_errors: dict[str, str] = {}  # an HTTP run's first answer per error status
     try:
         if url is None:

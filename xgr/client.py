@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -26,14 +27,23 @@ class Client:
     """Talks to ``xgr serve``.
 
     Args:
-        base_url: e.g. ``"http://127.0.0.1:8000"``.
+        base_url: the server's root, e.g. ``"http://127.0.0.1:8000"``.
         timeout: seconds to wait for an answer.
+
+    Raises:
+        XgrError: a URL that is not http(s), or a timeout that is not a finite number of
+            seconds above 0.
     """
 
     def __init__(self, base_url: str, timeout: float = 60.0) -> None:
-        if not base_url.startswith(("http://", "https://")):
+        url = base_url.strip() if isinstance(base_url, str) else ""
+        if not url.lower().startswith(("http://", "https://")):
             raise XgrError(f"server URL must start with http:// or https://, got {base_url!r}")
-        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout)
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+            raise XgrError(f"timeout must be a number of seconds, got {timeout!r}")
+        if not math.isfinite(timeout) or timeout <= 0:
+            raise XgrError(f"timeout must be a finite number of seconds above 0, got {timeout!r}")
+        self._http = httpx.Client(base_url=url.rstrip("/"), timeout=float(timeout))
 
     def __enter__(self) -> Client:
         return self
@@ -80,7 +90,7 @@ class Client:
             items = [
                 Recommendation(
                     item["item_id"],
-                    item["score"],
+                    float(item["score"]),
                     tuple(int(c) for c in _CODE.findall(item["semantic_id"])),
                     item.get("title"),
                 )
@@ -98,9 +108,9 @@ class Client:
                 decode_ms=timings["decode_ms"],
                 complete=bool(data.get("complete", True)),
             )
-        except (KeyError, TypeError, AttributeError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ServerError(
-                200, f"{self._http.base_url} did not answer as an xgr server (missing {exc})"
+                200, f"{self._http.base_url} did not answer as an xgr server ({exc!r})"
             ) from exc
 
     def health(self) -> bool:
@@ -124,13 +134,18 @@ class Client:
                 if isinstance(data, dict) and isinstance(data.get("detail"), list):
                     # A 422 names each field the schema refused.
                     fields = "; ".join(
-                        f"{'.'.join(str(p) for p in d.get('loc', []))}: {d.get('msg')}"
+                        f"{'.'.join(str(p) for p in d.get('loc') or [])}: {d.get('msg')}"
                         for d in data["detail"]
-                        if isinstance(d, dict)
+                        if isinstance(d, dict) and isinstance(d.get("loc") or [], list)
                     )
                     message = f"{message} ({fields})" if fields else message
             except ValueError:
                 message = None
+            if response.status_code == 404 and self._http.base_url.path.strip("/"):
+                message = (
+                    f"{message or 'Not Found'} (the server URL has a path, "
+                    f"{self._http.base_url.path!r}: give the server's root)"
+                )
             raise ServerError(response.status_code, message or response.text[:500])
         try:
             data = response.json()

@@ -36,6 +36,20 @@ def client_answering(status: int, content: bytes, content_type: str) -> Client:
         (500, b"[1, 2]", "application/json", "[1, 2]"),
         (503, b"busy", "text/plain", "busy"),
         (400, b'{"error": "bad history"}', "application/json", "bad history"),
+        (
+            422,
+            b'{"error": "bad", "detail": [{"loc": null, "msg": "m"}]}',
+            "application/json",
+            "bad",
+        ),
+        (422, b'{"error": "bad", "detail": [{"loc": "x", "msg": "m"}]}', "application/json", "bad"),
+        (
+            200,
+            b'{"items": [{"item_id": "1", "score": null, "semantic_id": "<a_1>"}], '
+            b'"timings": {"prefill_ms": 1, "decode_ms": 1}}',
+            "application/json",
+            "did not answer as an xgr server",
+        ),
     ],
 )
 def test_unexpected_answers_raise_server_errors(status, content, content_type, message):
@@ -87,3 +101,25 @@ def test_numpy_item_ids_are_sent_as_numbers():
         client.recommend(np.array([3, 4]), beam_width=np.int64(8), num_results=np.int32(2))
     assert bodies[0]["history"] == [3, 4]
     assert (bodies[0]["beam_width"], bodies[0]["num_results"]) == (8, 2)
+
+
+@pytest.mark.parametrize("timeout", [-1, 0, float("nan"), float("inf"), "5", True])
+def test_a_bad_timeout_is_refused_when_the_client_is_made(timeout):
+    with pytest.raises(XgrError, match="timeout must be"):
+        Client("http://127.0.0.1:1", timeout=timeout)
+
+
+def test_url_scheme_in_capitals_and_spaces_are_accepted():
+    with Client(" HTTP://127.0.0.1:1 ", timeout=0.5) as client:
+        assert str(client._http.base_url) == "http://127.0.0.1:1"
+
+
+def test_a_404_under_a_url_path_says_so():
+    client = Client("http://stub.invalid/v1")
+    client._http.close()
+    client._http = httpx.Client(
+        base_url="http://stub.invalid/v1",
+        transport=httpx.MockTransport(lambda request: httpx.Response(404, text="Not Found")),
+    )
+    with client, pytest.raises(ServerError, match="the server URL has a path, '/v1/'"):
+        client.recommend([1])

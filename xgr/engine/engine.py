@@ -274,9 +274,14 @@ class Engine:
         if not tokens.size:
             raise XgrError("empty prompt: at least one token is needed")
         if tokens.size > self.max_prompt_tokens:
+            why = (
+                "config.json's n_positions, or xgr's default for T5"
+                if self.model.is_encoder_decoder
+                else "max positions minus generated codes"
+            )
             raise PromptTooLongError(
                 f"prompt of {tokens.size} tokens exceeds the model's limit of "
-                f"{self.max_prompt_tokens} (max positions minus generated codes)"
+                f"{self.max_prompt_tokens} ({why})"
             )
         vocab = self.model.config.vocab_size
         if tokens.min() < 0 or tokens.max() >= vocab:

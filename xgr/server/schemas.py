@@ -83,7 +83,8 @@ class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     prompt: Prompt = Field(
-        description="Text with semantic-ID tokens, token ids, or a list of either."
+        description="Text with semantic-ID tokens, token ids, or a list of several prompts of "
+        "one kind (all texts or all token-id lists)."
     )
     model: str | None = Field(None, max_length=256)
     n: int = Field(1, ge=1, le=MAX_BEAM_WIDTH, description="Results per prompt.")
