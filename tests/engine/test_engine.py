@@ -244,6 +244,8 @@ def test_non_finite_model_output_is_an_error_not_a_result(model_dirs):
     engine.model.lm_head.weight.data.fill_(float("nan"))
     with pytest.raises(ModelOutputError, match="no finite log-probability for prompts \\[0\\]"):
         engine.recommend(random_prompts([4]), beam_width=4, num_results=2)
+    with pytest.raises(ModelOutputError, match="float32\\); check the weights for NaN"):
+        engine.recommend(random_prompts([4]), beam_width=4, num_results=2)
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ A model folder holds:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -27,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 from xgr.catalog import ItemCatalog
 from xgr.core import XgrError
 from xgr.demo.config import DemoConfig
+from xgr.demo.movielens import INTERACTIONS_FILE as MOVIELENS_INTERACTIONS
+from xgr.demo.movielens import ITEMS_FILE as MOVIELENS_ITEMS
 from xgr.demo.movielens import MovieLensData, leave_one_out, load_movielens
 from xgr.demo.vocab import BOS, sid_token_ids
 from xgr.engine.model_folder import DEFAULT_CATALOG_FILE, TITLES_FILE
@@ -64,6 +67,7 @@ def build_demo(
     cache_dir = Path(cache_dir).expanduser()
     target = cache_dir / f"model-{config.cache_key}"
     if (target / DEMO_METADATA_FILE).is_file():
+        check_demo_files(target, cache_dir)
         return target
     if progress:  # the data and semantic IDs take seconds before the first training bar
         print(
@@ -79,6 +83,7 @@ def build_demo(
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=cache_dir))
     try:
         write_demo_model(staging, data, config, progress)
+        _record_digests(staging, cache_dir)
         staging.chmod(0o755)  # mkdtemp makes it private; the folder is meant to be shared
         if target.exists():  # a stale folder without metadata, or a concurrent build
             if (target / DEMO_METADATA_FILE).is_file():
@@ -88,6 +93,78 @@ def build_demo(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+# What a complete demo folder holds besides xgr_demo.json (training may add more files).
+REQUIRED_FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    CATALOG_INDEX_FILE,
+    "xgr_catalog.json",
+    PROMPT_FORMAT_FILE,
+    ITEMS_FILE,
+)
+
+
+def check_demo_files(model_dir: Path, cache_dir: Path) -> None:
+    """Refuse a demo folder whose files, or the MovieLens files it was trained on, are
+    missing or changed since the build.
+
+    A complete folder is marked by ``xgr_demo.json``, which holds a SHA-256 digest of every
+    other file and of the data. Without them, a removed ``xgr_prompt.json`` changed every
+    score silently and a truncated ``ml-100k.inter`` changed ``xgr eval``'s figures. Folders
+    built before digests were kept get them on first use (when the cache is writable).
+
+    Raises:
+        XgrError: naming what is missing or changed, and how to rebuild.
+    """
+    meta = read_demo_metadata(model_dir)
+    rebuild = f"delete {model_dir} (and {cache_dir / 'ml-100k'} if named) to rebuild it"
+    missing = [name for name in REQUIRED_FILES if not (model_dir / name).is_file()]
+    if missing:
+        raise XgrError(f"the demo model in {model_dir} lacks {', '.join(missing)}: {rebuild}")
+    recorded = meta.get("digests")
+    if not isinstance(recorded, dict):
+        _record_digests(model_dir, cache_dir, meta, quiet=True)
+        return
+    current = _digests(model_dir, cache_dir)
+    changed = [name for name, digest in recorded.items() if current.get(name) != digest]
+    if changed:
+        raise XgrError(
+            f"{', '.join(changed)} changed since the demo model in {model_dir} was built "
+            f"(damaged or replaced): {rebuild}"
+        )
+
+
+def _digests(model_dir: Path, cache_dir: Path) -> dict[str, str]:
+    """SHA-256 of every file of the folder but the metadata, and of the MovieLens files
+    (named ``ml-100k/...``); a missing file is absent."""
+    paths = {p.name: p for p in model_dir.iterdir() if p.is_file() and p.name != DEMO_METADATA_FILE}
+    for name in (MOVIELENS_INTERACTIONS, MOVIELENS_ITEMS):
+        paths[f"ml-100k/{name}"] = cache_dir / "ml-100k" / name
+    return {
+        name: hashlib.sha256(path.read_bytes()).hexdigest()
+        for name, path in sorted(paths.items())
+        if path.is_file()
+    }
+
+
+def _record_digests(
+    model_dir: Path, cache_dir: Path, meta: dict | None = None, quiet: bool = False
+) -> None:
+    """Add the files' digests to ``xgr_demo.json`` (quiet: skip a cache that is read-only)."""
+    meta = read_demo_metadata(model_dir) if meta is None else meta
+    meta["digests"] = _digests(model_dir, cache_dir)
+    path = model_dir / DEMO_METADATA_FILE
+    try:
+        # Replaced whole, so that a reader never sees a half-written marker file.
+        partial = path.with_name(f".{DEMO_METADATA_FILE}.{os.getpid()}")
+        partial.write_text(json.dumps(meta, indent=2) + "\n")
+        os.replace(partial, path)
+    except OSError:
+        if not quiet:
+            raise
 
 
 def build_catalog(data: MovieLensData, config: DemoConfig) -> ItemCatalog:
@@ -175,11 +252,14 @@ def read_demo_metadata(model_dir: str | Path) -> dict:
     """
     path = Path(model_dir) / DEMO_METADATA_FILE
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
         raise XgrError(
             f"{model_dir} is not a demo model folder: cannot read {path}: {exc}"
         ) from None
+    if not isinstance(meta, dict):
+        raise XgrError(f"{model_dir} is not a demo model folder: {path} is not a JSON object")
+    return meta
 
 
 def load_demo_catalog(model_dir: str | Path) -> ItemCatalog:

@@ -647,9 +647,15 @@ class PendingRecommendation:
         # log-probabilities everywhere: a broken model or an overflowing dtype.
         broken = [i for i in range(len(self._tokenized)) if not np.isfinite(scores[i, 0])]
         if broken:
+            dtype = engine.model.lm_head.weight.dtype
+            hint = (
+                "check the weights for NaN or infinite values"
+                if dtype == torch.float32
+                else "try float32 or bfloat16"  # fp16 overflows where they do not
+            )
             raise ModelOutputError(
                 f"the model gave no finite log-probability for prompts {broken[:10]} "
-                f"(dtype {engine.model.lm_head.weight.dtype}); try float32 or bfloat16"
+                f"(dtype {dtype}); {hint}"
             )
         results = []
         for i, tokens in enumerate(self._tokenized):
