@@ -71,6 +71,7 @@ def test_errors_are_messages_not_tracebacks(served_model_dir, tmp_path):
         (("recommend", "--model", model, "--device", "foo", "--history", "x"), "unknown device"),
         (("recommend", "--model", model, "--top-k", "0", "--history", "item3"), "top_k"),
         (("serve", "--model", model, "--port", "99999"), "99999"),
+        (("serve", "--model", model, "--host", "not a host!"), "--host 'not a host!' cannot be"),
         (("serve", "--model", model, "--warm-up-tokens", "100000"), "100000 tokens exceed"),
         (("serve", "--model", model, "--max-batch-ms", "0"), "max_batch_ms"),
         (

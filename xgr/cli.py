@@ -6,6 +6,7 @@ import functools
 import json
 import logging
 import os
+import socket
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -452,6 +453,10 @@ def serve(source, host, port, warm_up_tokens, **limits) -> None:
         config = ServerConfig(**limits)  # the options are named as its fields
     except XgrError as exc:
         _fail(exc)
+    try:  # before the model loads: uvicorn would say only "Name or service not known"
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise click.UsageError(f"--host {host!r} cannot be resolved: {exc}") from exc
     engine = source.load(cuda_streams=config.streams)
     if warm_up_tokens:
         beam = config.default_beam_width
