@@ -24,15 +24,18 @@ DEFAULT_CACHE = Path("~/.cache/xgr/demo")
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
 
-def _check_writable(path: Path, option: str = "--output") -> None:
-    """Refuse an output file that cannot be written, before the work that would fill it.
+def _check_writable(path: Path, option: str, source: ModelSource) -> None:
+    """Refuse an output file that cannot be written, or that lies among the model's own
+    files (``_refuse_inside_data``), before the work that would fill it.
 
     A file this check creates is removed again; through a symbolic link, the link's target
     is what is checked (and removed if created), the link is left alone.
 
     Raises:
-        click.UsageError: no such folder, or the file cannot be opened for writing.
+        click.UsageError: inside the model's data, no such folder, or the file cannot be
+            opened for writing.
     """
+    _refuse_inside_data(path, option, source)
     target = Path(os.path.realpath(path))  # never raises, unlike Path.resolve on a loop
     if not target.parent.is_dir():
         raise click.UsageError(f"{option}: no folder {target.parent}")
@@ -375,8 +378,7 @@ def evaluate(source, k, beam_width, max_users, output) -> None:
     if beam_width > MAX_BEAM_WIDTH:
         raise click.UsageError(f"--beam-width {beam_width} is above the limit {MAX_BEAM_WIDTH}")
     if output is not None:
-        _refuse_inside_data(output.expanduser(), "--output", source)
-        _check_writable(output.expanduser())
+        _check_writable(output.expanduser(), "--output", source)
     reports = {}
     for arch_source in source.per_arch():
         engine = arch_source.load()
@@ -539,8 +541,7 @@ def bench_serve(
     if _same_file(plot_path, output):  # the plot would overwrite the report
         raise click.UsageError(f"--plot and --output name one file, {output}: give --plot")
     for path, option in ((output, "--output"), (plot_path, "--plot")):
-        _refuse_inside_data(path, option, source)
-        _check_writable(path, option)  # before the run: its figures would be lost
+        _check_writable(path, option, source)  # before the run: its figures would be lost
     first_errors: dict[str, str] = {}  # an HTTP run's first answer per error status
     try:
         if url is None:

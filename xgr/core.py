@@ -23,15 +23,15 @@ class XgrError(ValueError):
     """Bad input to xgr: the message names the argument and what was wrong with it."""
 
 
-def read_json(path: str | Path) -> Any:
+def read_json(path: str | Path, **options: Any) -> Any:
     """A JSON file parsed as UTF-8, with or without the byte-order mark some Windows tools
-    write (JSON itself has none).
+    write (JSON itself has none); ``options`` go to ``json.loads`` (e.g. ``object_pairs_hook``).
 
     Raises:
         OSError: the file cannot be read.
         ValueError: not UTF-8 (``UnicodeDecodeError``) or not JSON (``JSONDecodeError``).
     """
-    return json.loads(Path(path).read_text(encoding="utf-8-sig"))
+    return json.loads(Path(path).read_text(encoding="utf-8-sig"), **options)
 
 
 class ModelOutputError(XgrError):

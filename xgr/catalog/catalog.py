@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from xgr.catalog.trie import PrefixTrie, build_prefix_trie
-from xgr.core import XgrError
+from xgr.core import XgrError, read_json
 
 # Default level letters for catalogs built from integer codes: level 0 is "a", level 1 "b", ...
 DEFAULT_LEVEL_NAMES = "abcdefghijklmnopqrstuvwxyz"
@@ -130,9 +130,7 @@ class ItemCatalog:
                 between items, ragged code lengths, and every error of ``from_codes``.
         """
         try:
-            # utf-8-sig: a byte-order mark, as some Windows tools write, is not JSON's concern.
-            text = Path(path).read_text(encoding="utf-8-sig")
-            raw = json.loads(text, object_pairs_hook=_unique_keys)
+            raw = read_json(path, object_pairs_hook=_unique_keys)
         except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad UTF-8 or JSON
             raise XgrError(f"cannot read catalog index {path}: {exc}") from exc
         if not isinstance(raw, dict):

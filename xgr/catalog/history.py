@@ -66,9 +66,10 @@ class TitleIndex:
             title = titles.get(item_id)
             if title is not None:
                 self.exact.setdefault(title, item_id)
-                first = self.folded.setdefault(_fold(title), item_id)
+                folded = _fold(title)
+                first = self.folded.setdefault(folded, item_id)
                 if first != item_id:
-                    self._shared.setdefault(_fold(title), [first]).append(item_id)
+                    self._shared.setdefault(folded, [first]).append(item_id)
 
     def __len__(self) -> int:
         return len(self.exact)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from xgr.catalog import ItemCatalog
-from xgr.core import XgrError
+from xgr.core import XgrError, read_json
 from xgr.demo.config import DemoConfig
 from xgr.demo.movielens import INTERACTIONS_FILE as MOVIELENS_INTERACTIONS
 from xgr.demo.movielens import ITEMS_FILE as MOVIELENS_ITEMS
@@ -252,7 +252,7 @@ def read_demo_metadata(model_dir: str | Path) -> dict:
     """
     path = Path(model_dir) / DEMO_METADATA_FILE
     try:
-        meta = json.loads(path.read_text())
+        meta = read_json(path)
     except (OSError, ValueError) as exc:
         raise XgrError(
             f"{model_dir} is not a demo model folder: cannot read {path}: {exc}"
