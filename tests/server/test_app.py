@@ -320,20 +320,19 @@ def test_completions_refuse_beam_width_and_best_of_that_differ(client):
     assert "beam_width (8) and its alias best_of (16) differ" in answer.json()["error"]
 
 
+def post_body(client, content: bytes, content_type: str = "application/json"):
+    """POST raw bytes to /v1/recommend (bodies a JSON encoder would not produce)."""
+    return client.post("/v1/recommend", content=content, headers={"content-type": content_type})
+
+
 def test_body_that_is_not_utf8_is_a_clear_422(client):
-    answer = client.post(
-        "/v1/recommend",
-        content=b'{"history": ["\xff\xfe"]}',
-        headers={"content-type": "application/json"},
-    )
+    answer = post_body(client, b'{"history": ["\xff\xfe"]}')
     assert answer.status_code == 422
     assert answer.json()["error"] == "invalid request body: not JSON text (UTF-8)"
 
 
 def test_body_sent_as_text_says_json_is_expected(client):
-    answer = client.post(
-        "/v1/recommend", content=b'{"history": ["item1"]}', headers={"content-type": "text/plain"}
-    )
+    answer = post_body(client, b'{"history": ["item1"]}', "text/plain")
     assert answer.status_code == 422
     assert answer.json()["error"] == (
         "invalid request body: send JSON with content-type application/json"
@@ -341,11 +340,7 @@ def test_body_sent_as_text_says_json_is_expected(client):
 
 
 def test_nan_deadline_is_named_as_not_finite(client):
-    answer = client.post(
-        "/v1/recommend",
-        content=b'{"history": ["item1"], "deadline_ms": NaN}',
-        headers={"content-type": "application/json"},
-    )
+    answer = post_body(client, b'{"history": ["item1"], "deadline_ms": NaN}')
     assert answer.status_code == 422
     (detail,) = answer.json()["detail"]
     assert detail["loc"][-1] == "deadline_ms" and detail["msg"] == "Input should be a finite number"
