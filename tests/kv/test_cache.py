@@ -26,6 +26,20 @@ def test_shared_kv_allocate(seqlens):
     assert kv.nbytes == 2 * (2 * total * 3 * 16 * 2)
 
 
+def test_token_major_shared_kv_views_one_buffer():
+    kv = SharedKV.allocate(3, [4, 2], 2, 8, torch.float32, torch.device("cpu"), token_major=True)
+    assert kv.token_major.shape == (6, 3, 2, 2, 8)
+    assert kv.k.shape == kv.v.shape == (3, 6, 2, 8)
+    assert kv.k.stride() == kv.v.stride() == (2 * 2 * 8, 3 * 2 * 2 * 8, 8, 1)
+    kv.token_major.copy_(torch.randn(kv.token_major.shape))
+    # Row t of the buffer holds token t's K and V of every layer, in (layer, k/v) order.
+    for layer in range(3):
+        assert torch.equal(kv.k[layer], kv.token_major[:, layer, 0])
+        assert torch.equal(kv.v[layer], kv.token_major[:, layer, 1])
+    assert kv.nbytes == kv.token_major.nbytes
+    assert SharedKV.allocate(3, [4], 2, 8, torch.float32, torch.device("cpu")).token_major is None
+
+
 def test_beam_kv_allocate():
     kv = BeamKV.allocate(3, 8, 4, 2, 16, torch.float16, torch.device("cpu"))
     assert kv.k.shape == kv.v.shape == (3, 8, 4, 2, 16)

@@ -142,7 +142,17 @@ def test_padded_encoder_equals_the_packed_one(monkeypatch, t5_dirs, variant, fus
         lengths = torch.ones(slots, dtype=torch.int64)
         lengths[: len(prompts)] = torch.tensor([len(p) for p in prompts])
         layers, heads, d_kv = model.shared_kv_layout
-        kv = SharedKV.allocate(layers, [slots * length], heads, d_kv, torch.float32, device)
+        # Fused: one GEMM writes every layer's K/V into a token-major buffer; unfused: a
+        # GEMM a layer into separate K and V (the reference wrote token-major views).
+        kv = SharedKV.allocate(
+            layers, [slots * length], heads, d_kv, torch.float32, device, token_major=fused
+        )
+        assert (kv.token_major is not None) == fused
+        if fused:  # each layer's kv projection views the all-layer weight: no second copy
+            kv_weight = model.decoder.block[-1].layer[1].EncDecAttention.kv.weight
+            assert kv_weight.untyped_storage().data_ptr() == (
+                model.cross_kv.weight.untyped_storage().data_ptr()
+            )
         padded = model.encode_padded(tokens.to(device), lengths.to(device), length, kv)
     assert padded.shape == (slots * length, model.config.d_model)
     torch.testing.assert_close(padded[:total], encoded, atol=1e-5, rtol=1e-5)

@@ -50,6 +50,14 @@ class BeamState:
         zeros = torch.zeros(num_requests, 1, dtype=torch.int64, device=device)
         return cls(torch.zeros(num_requests, 1, device=device), zeros, zeros, zeros)
 
+    def narrow(self, width: int) -> BeamState:
+        """The first ``width`` beams of each request, (R, width) views; itself if it has
+        no more."""
+        if width >= self.scores.shape[1]:
+            return self
+        fields = (self.scores, self.nodes, self.codes, self.parents)
+        return BeamState(*(t[:, :width] for t in fields))
+
 
 def constrained_beam_step(
     state: BeamState,

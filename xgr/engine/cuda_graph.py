@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from xgr.kv import SharedKV
+from xgr.kv import SharedKV, kv_buffers
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +169,7 @@ class CudaGraphs:
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._pool_k: torch.Tensor | None = None
         self._pool_v: torch.Tensor | None = None
+        self._pool_token_major: torch.Tensor | None = None  # what k and v view, if any
         self._mempool = None
         self._capture_stream: torch.cuda.Stream | None = None
         self.captures = 0  # graphs captured so far (for tests and logs)
@@ -214,7 +215,10 @@ class CudaGraphs:
             num_tokens: tokens the pool must hold (a padded prefill); default the batch's.
         """
         self.reserve(max(num_tokens or 0, inputs.num_tokens))
-        return SharedKV(self._pool_k, self._pool_v, inputs.cu_seqlens, inputs.seqlens)
+        return self._pool(inputs.cu_seqlens, inputs.seqlens)
+
+    def _pool(self, cu_seqlens: torch.Tensor, seqlens: list[int]) -> SharedKV:
+        return SharedKV(self._pool_k, self._pool_v, cu_seqlens, seqlens, self._pool_token_major)
 
     def reserve(self, num_tokens: int) -> None:
         """Grow the prompt-KV pool to hold ``num_tokens`` (dropping every graph) if smaller.
@@ -235,9 +239,10 @@ class CudaGraphs:
             # With its last graph gone the memory pool is released, and PyTorch refuses a
             # new capture into a released pool (an internal assert): take a fresh one.
             self._mempool = None
-            self._pool_k = self._pool_v = None
-            self._pool_k = torch.empty(shape, dtype=weight.dtype, device=weight.device)
-            self._pool_v = torch.empty_like(self._pool_k)
+            self._pool_k = self._pool_v = self._pool_token_major = None
+            self._pool_k, self._pool_v, self._pool_token_major = kv_buffers(
+                *shape, weight.dtype, weight.device, self.model.token_major_shared_kv
+            )
             gib = 2 * self._pool_k.nbytes / 2**30
             logger.info("prompt-KV pool: %d tokens (%.2f GiB)", tokens, gib)
 
@@ -264,7 +269,7 @@ class CudaGraphs:
             positions = torch.zeros_like(tokens)
             cu = torch.full((slots + 2,), padded, dtype=torch.int32, device=device)
             last = torch.zeros(slots, dtype=torch.int64, device=device)
-            shared = SharedKV(self._pool_k, self._pool_v, cu, [])
+            shared = self._pool(cu, [])
             # One request: a causal pass over the whole buffer (padding last changes nothing
             # before it); several: the packed attention launch keeps the sequences apart.
             meta = PrefillMetadata(
@@ -289,7 +294,7 @@ class CudaGraphs:
             device = inputs.tokens.device
             tokens = torch.zeros(padded, dtype=torch.int64, device=device)
             lengths = torch.ones(slots, dtype=torch.int64, device=device)
-            shared = SharedKV(self._pool_k, self._pool_v, inputs.cu_seqlens, [])
+            shared = self._pool(inputs.cu_seqlens, [])
 
             def run():
                 self.model.encode_padded(tokens, lengths, length, shared)
@@ -395,7 +400,7 @@ class CudaGraphs:
 
         def build():
             static = tuple(torch.empty_like(t) for t in batch)
-            shared = SharedKV(self._pool_k, self._pool_v, static[-1], [])
+            shared = self._pool(static[-1], [])
             # The kernels read prompt offsets from the device; the host offsets of the
             # capturing batch reach only the torch reference attention, never used here.
             host_cu = inputs.cu_seqlens_host

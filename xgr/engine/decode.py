@@ -98,10 +98,11 @@ def decode_levels(
         last_hidden.dtype,
         last_hidden.device,
     )
-    meta = DecodeMetadata(shared, beam, cu_seqlens_host, beam_width, spec.attention_backend)
 
-    def forward(ids: torch.Tensor, level: int) -> torch.Tensor:
-        pos = (prompt_lens + level - 1)[:, None].expand(num_requests, beam_width)
+    def forward(ids: torch.Tensor, level: int, width: int) -> torch.Tensor:
+        pos = (prompt_lens + level - 1)[:, None].expand(num_requests, width)
+        rows = beam.first_rows(num_requests * width)
+        meta = DecodeMetadata(shared, rows, cu_seqlens_host, width, spec.attention_backend)
         return spec.model(ids, pos.reshape(-1), meta)
 
     first = spec.log_probs(last_hidden, 0)
@@ -142,12 +143,42 @@ def decode_levels_encdec(
     meta = EncDecDecodeMetadata(shared, beam, cu_seqlens_host, 1, first_rows, backend)
     hidden = model.decode(start, meta)
     beam.length = 1
-    all_rows = torch.arange(num_requests * beam_width, device=device)
-    meta = EncDecDecodeMetadata(shared, beam, cu_seqlens_host, beam_width, all_rows, backend)
     first = spec.log_probs(hidden, 0)
-    return _search_levels(
-        spec, first, beam, lambda ids, _level: model.decode(ids, meta), beam_width, top_k
-    )
+
+    def forward(ids: torch.Tensor, _level: int, width: int) -> torch.Tensor:
+        rows = torch.arange(num_requests * width, device=device)
+        meta = EncDecDecodeMetadata(shared, beam, cu_seqlens_host, width, rows, backend)
+        return model.decode(ids, meta)
+
+    return _search_levels(spec, first, beam, forward, beam_width, top_k)
+
+
+def live_beam_widths(trie: PrefixTrie, beam_width: int, top_k: int) -> list[int]:
+    """Beams per request that can hold a valid prefix when each later level's forward runs.
+
+    A level's selection keeps at most ``beam_width`` beams, at most ``top_k`` per parent
+    (all of a node's children where ``top_k`` is wider), and never more than the catalog's
+    distinct prefixes of that length; the beams beyond are dead (score -inf) and sorted last
+    (``constrained_beam_step``). The forward of level ``l`` therefore runs on the first
+    ``widths[l - 1]`` beams of each request only: with 256 first-level codes and a beam of
+    512, level 1's forward (and its LM head) runs on half the rows. The bound depends on
+    the catalog and the search parameters alone, so the shapes stay fixed (CUDA graphs).
+
+    Args:
+        trie: the catalog's trie.
+        beam_width, top_k: search parameters.
+
+    Returns:
+        widths[l - 1] for levels l = 1 .. num_levels - 1, each in [1, beam_width].
+    """
+    levels = trie.levels
+    # The root is the first step's only parent and offers all of its children.
+    live = min(beam_width, levels[0].num_children)
+    widths = []
+    for level in levels[1:]:
+        widths.append(max(live, 1))
+        live = min(beam_width, level.num_children, live * min(top_k, level.width))
+    return widths
 
 
 def _search_levels(
@@ -160,20 +191,28 @@ def _search_levels(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The constrained selections of all levels around one decode forward per later level.
 
+    Level l's forward runs on the first ``live_beam_widths(...)[l - 1]`` beams of each
+    request (W rows a request, request-major: rows r * W .. r * W + W - 1); the beams after
+    them are dead and skip it. Each forward writes its slot at those compact rows, so the
+    reorder before the next level points each beam at its parent's row in the previous
+    level's layout.
+
     Args:
         spec: trie, code map and scoring.
         first_log_probs: (R, codebook_size) float32 level-0 code log-probabilities.
         beam: the beams' KV, (R * beam_width) rows; its written slots (none at level 0 for
-            a decoder-only model, the start token for an encoder-decoder) follow the beams.
-        forward: ``forward(ids, level)`` runs the model over (R * beam_width,) int64 token
-            ids (each beam's previous code) and returns (R * beam_width, hidden) head inputs.
+            a decoder-only model, the start token at each request's row r * beam_width for
+            an encoder-decoder) follow the beams.
+        forward: ``forward(ids, level, width)`` runs the model over (R * width,) int64 token
+            ids (the previous code of each request's first ``width`` beams) and returns
+            (R * width, hidden) head inputs.
         beam_width, top_k: search parameters.
 
     Returns:
         nodes, scores: (R, beam_width) as ``decode_levels``.
     """
     vocab = spec.model.config.vocab_size
-    num_requests, num_levels = first_log_probs.shape[0], len(spec.trie.levels)
+    num_requests = first_log_probs.shape[0]
     device = first_log_probs.device
     # The root is every beam's common parent: it alone supplies the first beam_width beams.
     state = constrained_beam_step(
@@ -184,15 +223,19 @@ def _search_levels(
         beam_width,
         max(top_k, beam_width),
     )
-    row_base = torch.arange(num_requests, device=device)[:, None] * beam_width
-    for level in range(1, num_levels):
+    requests = torch.arange(num_requests, device=device)[:, None]
+    prev_width = beam_width  # rows a request in the layout of the slots written so far
+    widths = live_beam_widths(spec.trie, beam_width, top_k)
+    for level, width in enumerate(widths, start=1):
+        live = state.narrow(width)
         if beam.length:  # each beam inherits its parent's written slots
-            beam.reorder((state.parents + row_base).reshape(-1))
-        ids = spec.sid_token_ids[level - 1][state.codes].clamp(0, vocab - 1)
-        hidden = forward(ids.reshape(-1), level)
+            beam.reorder((live.parents + requests * prev_width).reshape(-1))
+        ids = spec.sid_token_ids[level - 1][live.codes].clamp(0, vocab - 1)
+        hidden = forward(ids.reshape(-1), level, width)
         beam.length += 1
-        log_probs = spec.log_probs(hidden, level).view(num_requests, beam_width, -1)
+        log_probs = spec.log_probs(hidden, level).view(num_requests, width, -1)
         state = constrained_beam_step(
-            state, log_probs, spec.trie.levels[level], None, beam_width, top_k
+            live, log_probs, spec.trie.levels[level], None, beam_width, top_k
         )
+        prev_width = width
     return state.nodes, state.scores

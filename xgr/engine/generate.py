@@ -158,8 +158,9 @@ def allocate_shared_kv(model: CausalLM | T5Seq2SeqLM, inputs: BatchInputs) -> Sh
     layers, heads, head_dim = model.shared_kv_layout
     weight = model.lm_head.weight
     return SharedKV.allocate(
-        layers, inputs.seqlens, heads, head_dim, weight.dtype, weight.device, inputs.cu_seqlens
-    )
+        layers, inputs.seqlens, heads, head_dim, weight.dtype, weight.device, inputs.cu_seqlens,
+        model.token_major_shared_kv,
+    )  # fmt: skip
 
 
 @dataclass

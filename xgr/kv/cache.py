@@ -26,15 +26,21 @@ class SharedKV:
     """Prompt KV of a batch, stored once per request.
 
     Attributes:
-        k, v: (num_layers, total_prompt_tokens, num_kv_heads, head_dim), model dtype.
+        k, v: (num_layers, total_prompt_tokens, num_kv_heads, head_dim), model dtype;
+            possibly strided views of ``token_major``.
         cu_seqlens: (R + 1,) int64 token offsets of each request, on the KV's device.
         seqlens: prompt length (tokens) of each request, on the host.
+        token_major: None, or the (total_prompt_tokens, num_layers, 2, num_kv_heads,
+            head_dim) buffer that k ([:, :, 0]) and v ([:, :, 1]) view: one row per token
+            holding every layer's K and V, so one GEMM writes all layers at once (a T5
+            encoder output's cross-attention K/V, ``kv_buffers``).
     """
 
     k: torch.Tensor
     v: torch.Tensor
     cu_seqlens: torch.Tensor
     seqlens: list[int]
+    token_major: torch.Tensor | None = None
 
     @classmethod
     def allocate(
@@ -46,29 +52,55 @@ class SharedKV:
         dtype: torch.dtype,
         device: torch.device,
         cu_seqlens: torch.Tensor | None = None,
+        token_major: bool = False,
     ) -> SharedKV:
         """Buffers for prompts of ``seqlens`` tokens.
 
         Args:
             cu_seqlens: the (R + 1,) int64 offsets, already on ``device``; None: made from
                 seqlens (a host-to-device copy, which the sync-free generation path avoids).
+            token_major: lay k and v out as views of one token-major buffer (``kv_buffers``).
         """
-        total = sum(seqlens)
-        shape = (num_layers, total, num_kv_heads, head_dim)
         if cu_seqlens is None:
             cu = torch.zeros(len(seqlens) + 1, dtype=torch.int64)
             cu[1:] = torch.cumsum(torch.tensor(seqlens, dtype=torch.int64), 0)
             cu_seqlens = cu.to(device)
-        return cls(
-            torch.empty(shape, dtype=dtype, device=device),
-            torch.empty(shape, dtype=dtype, device=device),
-            cu_seqlens,
-            list(seqlens),
+        k, v, buffer = kv_buffers(
+            num_layers, sum(seqlens), num_kv_heads, head_dim, dtype, device, token_major
         )
+        return cls(k, v, cu_seqlens, list(seqlens), buffer)
 
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
+
+
+def kv_buffers(
+    num_layers: int,
+    num_tokens: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    token_major: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Uninitialized prompt K and V of ``num_tokens`` tokens.
+
+    Returns:
+        k, v: (num_layers, num_tokens, num_kv_heads, head_dim) in ``dtype``: contiguous
+            tensors of their own, or with ``token_major`` strided views (last dimension
+            contiguous) of the third tensor;
+        buffer: None, or with ``token_major`` the (num_tokens, num_layers, 2, num_kv_heads,
+            head_dim) tensor they view.
+    """
+    if not token_major:
+        shape = (num_layers, num_tokens, num_kv_heads, head_dim)
+        k = torch.empty(shape, dtype=dtype, device=device)
+        return k, torch.empty_like(k), None
+    shape = (num_tokens, num_layers, 2, num_kv_heads, head_dim)
+    buffer = torch.empty(shape, dtype=dtype, device=device)
+    k, v = (buffer[:, :, i].permute(1, 0, 2, 3) for i in (0, 1))
+    return k, v, buffer
 
 
 @dataclass
@@ -111,15 +143,21 @@ class BeamKV:
     def reorder(self, parent_rows: torch.Tensor) -> None:
         """Make beam i continue beam ``parent_rows[i]``: it inherits the parent's ancestry.
 
-        Only the (N, length) index changes, in place; no KV is copied.
+        Only the index changes, in place; no KV is copied. With n < N parents only the
+        first n rows are rewritten (the beams of a step that runs on fewer rows).
 
         Args:
-            parent_rows: (N,) int64 row of each new beam's parent.
+            parent_rows: (n,) int64 row of each new beam's parent, n <= N.
         """
         if self.length == 0:
             return
         written = self.rows[:, : self.length]
-        written.copy_(written.index_select(0, parent_rows))
+        written[: parent_rows.shape[0]].copy_(written.index_select(0, parent_rows))
+
+    def first_rows(self, num_rows: int) -> BeamKV:
+        """The same KV with only the first ``num_rows`` rows' ancestry: the view a decode
+        step over that many beams reads (its rows are beams 0 .. num_rows - 1)."""
+        return BeamKV(self.k, self.v, self.rows[:num_rows], self.length)
 
     def gather(self, layer: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each beam's first ``num_tokens`` tokens of one layer, following its ancestry.

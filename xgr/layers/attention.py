@@ -123,7 +123,7 @@ class Attention(nn.Module):
             k, v = meta.shared.k[layer, :tokens], meta.shared.v[layer, :tokens]
         else:
             slot = meta.beam.length
-            k, v = meta.beam.k[layer, :, slot], meta.beam.v[layer, :, slot]
+            k, v = meta.beam.k[layer, :tokens, slot], meta.beam.v[layer, :tokens, slot]
         if self.qkv_proj is not None:  # one GEMM
             qkv = self.qkv_proj(x)
         else:  # the HF-named projections, before fuse_projections

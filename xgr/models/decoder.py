@@ -67,6 +67,8 @@ class CausalLM(nn.Module):
     """
 
     is_encoder_decoder = False
+    # The prompt KV is written layer by layer during prefill: a contiguous block per layer.
+    token_major_shared_kv = False
 
     @property
     def shared_kv_layout(self) -> tuple[int, int, int]:

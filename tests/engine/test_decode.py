@@ -1,0 +1,53 @@
+"""Decode levels on the live beams only: the row bound, and equality with running every row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import random_catalog, sequential_sid_map, write_random_t5
+from xgr import Engine, ItemCatalog
+from xgr.engine import decode
+
+OFFSET = 8
+
+
+def test_live_beam_widths_follow_the_catalog_and_the_search():
+    # Level 0: codes {0, 1, 2}; prefixes of length 2: (0,0) (0,1) (0,2) (1,0) (1,1) (2,0) (2,3).
+    codes = [[0, 0, 0], [0, 1, 0], [0, 2, 1], [1, 0, 0], [1, 1, 2], [2, 0, 0], [2, 3, 3], [0, 0, 1]]
+    trie = ItemCatalog.from_codes([f"i{n}" for n in range(len(codes))], codes, 4).trie
+    assert decode.live_beam_widths(trie, beam_width=8, top_k=8) == [3, 7]
+    assert decode.live_beam_widths(trie, beam_width=4, top_k=4) == [3, 4]
+    assert decode.live_beam_widths(trie, beam_width=2, top_k=2) == [2, 2]
+    # One candidate a beam: level 1 keeps at most as many beams as it had.
+    assert decode.live_beam_widths(trie, beam_width=8, top_k=1) == [3, 3]
+    assert decode.live_beam_widths(trie, beam_width=8, top_k=2) == [3, 6]
+
+
+def full_rows(trie, beam_width, top_k):
+    return [beam_width] * (len(trie.levels) - 1)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "t5"])
+def test_live_rows_give_the_results_of_every_row(model_dirs, tmp_path, monkeypatch, arch):
+    # 16 first-level codes under a beam of 40: level 1's forward runs on 16 rows a request.
+    catalog = random_catalog(700, 3, 16, seed=5)
+    sid_map = sequential_sid_map(3, 16, OFFSET)
+    if arch == "t5":
+        write_random_t5(tmp_path, "gated-gelu", False, vocab_size=OFFSET + 48)
+        folder = tmp_path
+    else:
+        folder = model_dirs[arch]
+    engine = Engine.from_pretrained(folder, catalog=catalog, sid_token_ids=sid_map)
+    assert decode.live_beam_widths(engine.decode_spec.trie, 40, 40)[0] == 16
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(2, 56, (n,), generator=gen).tolist() for n in (3, 17, 9)]
+    search = dict(beam_width=40, top_k=40, num_results=40)
+    live = engine.recommend(prompts, **search)
+    monkeypatch.setattr(decode, "live_beam_widths", full_rows)
+    every = engine.recommend(prompts, **search)
+    for got, want in zip(live, every, strict=True):
+        assert [codes for codes, _ in got.semantic_ids] == [codes for codes, _ in want.semantic_ids]
+        scores = torch.tensor([s for _, s in got.semantic_ids])
+        expected = torch.tensor([s for _, s in want.semantic_ids])
+        torch.testing.assert_close(scores, expected, rtol=0, atol=1e-5)
