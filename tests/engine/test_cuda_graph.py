@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -173,6 +174,8 @@ def test_graph_buffers_give_the_eager_results_on_the_cpu(arch, model_dirs, tmp_p
     prompt lengths, absent requests standing in) against eager runs, with capture replaced
     by re-running the captured work; the kernels read offsets from the device (Triton,
     interpreted), as in a real graph."""
+    if os.environ.get("TRITON_INTERPRET") != "1":  # tests/conftest.py sets it without a GPU
+        pytest.skip("Triton reads CPU tensors only interpreted; the GPU tests replay real graphs")
     monkeypatch.setattr(CudaGraphs, "_capture", _capture_by_rerun)
     if arch == "t5":
         write_random_t5(tmp_path, "gated-gelu", False)
