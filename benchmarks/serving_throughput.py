@@ -236,7 +236,10 @@ def main() -> None:
         args.output.write_text(json.dumps(report, indent=1) + "\n")
     print("\nthroughput at the highest rate with P99 <= 200 ms (requests/s):")
     for row in report["results"]:
-        best = {k: v["throughput_within_budget"] for k, v in row["settings"].items()}
+        best = ", ".join(
+            f"{setting} {figures['throughput_within_budget']:.1f}"
+            for setting, figures in row["settings"].items()
+        )
         print(f"  {row['shape']} L~{row['prompt_len']} B={row['beam_width']}: {best}")
     args.output.write_text(json.dumps(report, indent=1) + "\n")
 
