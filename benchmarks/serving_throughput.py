@@ -140,6 +140,10 @@ def sweep(engine, plan_for, start_rate: float, max_batch_size: int, max_batch_ms
     }
 
 
+def _req_per_s(throughput: float | None) -> str:
+    return "none within the budget" if throughput is None else f"{throughput:.1f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", type=Path, required=True)
@@ -237,7 +241,7 @@ def main() -> None:
     print("\nthroughput at the highest rate with P99 <= 200 ms (requests/s):")
     for row in report["results"]:
         best = ", ".join(
-            f"{setting} {figures['throughput_within_budget']:.1f}"
+            f"{setting} {_req_per_s(figures['throughput_within_budget'])}"
             for setting, figures in row["settings"].items()
         )
         print(f"  {row['shape']} L~{row['prompt_len']} B={row['beam_width']}: {best}")
