@@ -295,6 +295,24 @@ def test_tokenize_gives_a_new_list_of_python_ints(model_dirs):
         engine.tokenize(np.array([], dtype=np.float32))
 
 
+def test_token_ids_give_a_new_int64_array_that_recommends_as_the_list(model_dirs):
+    engine = make_engine(model_dirs, random_catalog(50, 3, 16, seed=9))
+    source = np.array([3, 0, 7], dtype=np.int32)
+    for prompt in ([3, 0, 7], source, torch.tensor([3, 0, 7])):
+        ids = engine.token_ids(prompt)
+        assert ids.dtype == np.int64 and ids.shape == (3,)
+        assert ids.tolist() == engine.tokenize(prompt) == [3, 0, 7]
+    ids = engine.token_ids(source)
+    source[0] = 9  # the array is the engine's own copy
+    assert ids.tolist() == [3, 0, 7]
+    search = dict(beam_width=8, top_k=8, num_results=8)
+    (from_array,) = engine.recommend([ids], **search)
+    (from_list,) = engine.recommend([[3, 0, 7]], **search)
+    assert from_array.semantic_ids == from_list.semantic_ids
+    with pytest.raises(XgrError, match="empty prompt"):
+        engine.token_ids(np.array([], dtype=np.int64))
+
+
 def test_numpy_values_are_accepted(model_dirs):
     engine = make_engine(model_dirs, random_catalog(50, 3, 16, seed=9))
     (result,) = engine.recommend(

@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from xgr.core import (
     ModelOutputError,
     PromptTooLongError,
@@ -122,7 +124,8 @@ class QueuedRequest:
     """One request waiting for a batch.
 
     Attributes:
-        prompt: token ids, already validated by the engine.
+        prompt: token ids, already validated by the engine: a list, or the (tokens,) int64
+            array of ``Engine.token_ids``, which the engine checks again in microseconds.
         beam_width, top_k, num_results: search parameters, already validated.
         exclude: item ids left out of the result.
         deadline: ``time.perf_counter()`` after which it is not started; None for no deadline.
@@ -131,7 +134,7 @@ class QueuedRequest:
             the deadline if the request is still waiting, cancelled with the answer).
     """
 
-    prompt: list[int]
+    prompt: list[int] | np.ndarray
     beam_width: int
     top_k: int
     num_results: int

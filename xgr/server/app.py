@@ -17,6 +17,7 @@ import uuid
 from contextlib import asynccontextmanager
 from typing import Any
 
+import numpy as np
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -204,7 +205,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         def prepare():  # CPU work on long histories: off the event loop
             history = resolve_history(engine.catalog, body.history, engine.title_index)
             items = history.item_ids
-            return history, engine.tokenize(engine.history_prompt(items, body.truncate_history))
+            return history, engine.token_ids(engine.history_prompt(items, body.truncate_history))
 
         history, prompt = await asyncio.to_thread(prepare)
         deadline = arrived + body.deadline_ms / 1e3 if body.deadline_ms else None
@@ -278,12 +279,12 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             )
         check_search(beam_width, beam_width, body.n)
 
-        def tokenize_all() -> list[list[int]]:
+        def tokenize_all() -> list[np.ndarray]:
             prompts = completion_prompts(body.prompt)
             tokenized = []
             for i, prompt in enumerate(prompts):
                 try:
-                    tokenized.append(engine.tokenize(prompt))
+                    tokenized.append(engine.token_ids(prompt))
                 except XgrError as exc:  # say which prompt of several (same type: same status)
                     if len(prompts) == 1:
                         raise
