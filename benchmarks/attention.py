@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import inspect
 import itertools
 import json
@@ -35,7 +34,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import graph_ms  # noqa: E402
+from timing import graph_ms, run_environment  # noqa: E402
 
 from xgr.kernels.decode_attention import decode_attention_reference  # noqa: E402
 from xgr.kernels.prefill_attention import (  # noqa: E402
@@ -464,9 +463,7 @@ def main() -> None:
         parser.error("this benchmark needs a CUDA GPU (it times CUDA-graph replays)")
     report = {
         "benchmark": "decode attention per layer per step (last step of 3, 2 beam tokens)",
-        "date": datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
+        **run_environment(),
         "dtype": str(DTYPE),
         "launch_config": dataclasses.asdict(DEFAULT_LAUNCH),
     }

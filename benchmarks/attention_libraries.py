@@ -23,7 +23,6 @@ calls) and relative error against a float32 reference, bf16, one request:
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import sys
@@ -34,7 +33,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import graph_ms  # noqa: E402
+from e2e_latency import matmul_flop_rate  # noqa: E402
+from timing import graph_ms, run_environment  # noqa: E402
 
 from xgr.kernels.encoder_attention import square_mask  # noqa: E402
 from xgr.kernels.triton_decode_attention import (  # noqa: E402
@@ -197,8 +197,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args()
-    a = torch.randn(8192, 8192, device="cuda", dtype=DTYPE)
-    rate = 2 * 8192**3 / (graph_ms(lambda: a @ a, calls=4) * 1e-3)
+    rate = matmul_flop_rate("cuda")
     print(f"bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
     table = Table()
     for length, beams in DECODE_CASES:
@@ -207,9 +206,7 @@ def main() -> None:
     t5_encoder(table)
     report = {
         "benchmark": "library attention kernels against xgr's (benchmarks/attention_libraries.py)",
-        "date": datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
+        **run_environment(),
         "dtype": "bfloat16",
         "bf16_matmul_flop_per_s": rate,
         "timing": "CUDA-graph replays, median device time per call; inputs stay in L2",

@@ -32,7 +32,6 @@ float32-vs-bf16 figure alone.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 from pathlib import Path
@@ -40,6 +39,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import run_environment  # noqa: E402
+
 from xgr import Engine  # noqa: E402
 from xgr.demo import DemoConfig, build_demo, load_movielens  # noqa: E402
 from xgr.demo.evaluate import score_items  # noqa: E402
@@ -144,9 +146,7 @@ def main() -> None:
     histories, targets = split.histories[:count], split.targets[:count]
     report = {
         "benchmark": "top-10 agreement, bf16 served path vs float32 reference (demo models)",
-        "date": datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        "torch": torch.__version__,
+        **run_environment(args.device),
         "beam_width": args.beam_width,
         "results": {},
     }

@@ -15,7 +15,6 @@ so they come from HBM.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import graph_ms  # noqa: E402
+from timing import graph_ms, run_environment  # noqa: E402
 
 # (K, N) of each projection: Qwen3-1.7B q/k/v, o, gate/up, down; T5 OneRec-like (d_model
 # 1024, d_ff 4096, gated) q/k/v, o, wi_0/wi_1, wo.
@@ -90,9 +89,7 @@ def main() -> None:
                 )
     report = {
         "benchmark": "decode-shape GEMMs: cuBLAS vs cuBLASLt, (N, K) vs (K, N) weight",
-        "date": datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
+        **run_environment(),
         "dtype": "bfloat16",
         "results": results,
     }

@@ -19,7 +19,6 @@ memory is its own) for a few configurations, with its top-10 agreement to xgr.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import itertools
 import json
@@ -33,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import graph_ms, time_recommend  # noqa: E402
+from timing import graph_ms, run_environment, time_recommend  # noqa: E402
 
 from xgr import Engine, ItemCatalog  # noqa: E402
 from xgr.beam import BeamState, constrained_beam_step  # noqa: E402
@@ -294,9 +293,7 @@ def main() -> None:
     rate = matmul_flop_rate(device)
     report = {
         "benchmark": "whole-request latency: prefill + levels (top_k = beam width)",
-        "date": datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "torch": torch.__version__,
+        **run_environment(device),
         "dtype": "bfloat16" if device == "cuda" else "float32",
         "catalog_items": items,
         "codebook": CODEBOOK,

@@ -15,7 +15,6 @@ ms per step from CUDA-graph replays (``timing.graph_ms``).
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
 import sys
@@ -26,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e_latency import random_catalog, selection_ms  # noqa: E402
+from timing import run_environment  # noqa: E402
 
 from xgr.beam import step as step_module  # noqa: E402
 
@@ -60,9 +60,7 @@ def main() -> None:
     step_module.POOL_TOPK = MODES[0]
     report = {
         "benchmark": "constrained beam step per level (selection), Triton vs torch pool top-k",
-        "date": datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
+        **run_environment(),
         "catalog_items": args.items,
         "results": rows,
     }

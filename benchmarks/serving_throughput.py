@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import datetime
 import gc
 import json
 import sys
@@ -46,6 +45,7 @@ from e2e_latency import (  # noqa: E402
 from t5_latency import SHAPES as T5_SHAPES  # noqa: E402
 from t5_latency import TINY as T5_TINY  # noqa: E402
 from t5_latency import write_t5  # noqa: E402
+from timing import run_environment  # noqa: E402
 
 from xgr import Engine  # noqa: E402
 from xgr.bench.serve import (  # noqa: E402
@@ -164,9 +164,7 @@ def main() -> None:
     streams = [1] if args.tiny else args.streams
     report = {
         "benchmark": "highest open-loop rate with P99 <= 200 ms and <= 1% errors",
-        "date": datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "torch": torch.__version__,
+        **run_environment(device),
         "duration_s_per_rate": args.duration,
         "results": [],
     }

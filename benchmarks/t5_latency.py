@@ -25,7 +25,6 @@ family and the top kernels, for the encoder and for the decode levels.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import itertools
 import json
@@ -39,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e_latency import CODEBOOK, hf_generate, random_catalog, sid_token_map  # noqa: E402
-from timing import time_recommend  # noqa: E402
+from timing import run_environment, time_recommend  # noqa: E402
 
 from xgr import Engine  # noqa: E402
 from xgr.models import t5 as t5_module  # noqa: E402
@@ -158,9 +157,7 @@ def main() -> None:
         items, histories, beams, reps, hf_configs = 1_000_000, HISTORIES, BEAMS, 10, HF_CONFIGS
     report = {
         "benchmark": "T5 encoder-decoder, one request: xgr vs HF beam search (top_k = beam)",
-        "date": datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "torch": torch.__version__,
+        **run_environment(device),
         "dtype": str(dtype).removeprefix("torch."),
         "catalog_items": items,
         "levels": LEVELS,

@@ -3,11 +3,22 @@ whole ``Engine.recommend`` calls (wall time)."""
 
 from __future__ import annotations
 
+import datetime
 import statistics
 import time
 
 import numpy as np
 import torch
+
+
+def run_environment(device: str = "cuda") -> dict[str, str]:
+    """What every benchmark's JSON records of its run: the date, the GPU's name (``"cpu"``
+    off CUDA) and the torch version."""
+    return {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }
 
 
 def graph_ms(fn, calls: int = 8, replays: int = 25) -> float:
