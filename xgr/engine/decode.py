@@ -101,8 +101,8 @@ def decode_levels(
 
     def forward(ids: torch.Tensor, level: int, width: int) -> torch.Tensor:
         pos = (prompt_lens + level - 1)[:, None].expand(num_requests, width)
-        rows = beam.first_rows(num_requests * width)
-        meta = DecodeMetadata(shared, rows, cu_seqlens_host, width, spec.attention_backend)
+        live_beams = beam.first_rows(num_requests * width)
+        meta = DecodeMetadata(shared, live_beams, cu_seqlens_host, width, spec.attention_backend)
         return spec.model(ids, pos.reshape(-1), meta)
 
     first = spec.log_probs(last_hidden, 0)
