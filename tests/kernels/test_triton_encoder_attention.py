@@ -108,3 +108,24 @@ def test_bad_arguments_are_refused():
         call(*(t[..., :12] for t in (q, k, v)), lens, bias, 6)
     with pytest.raises(ValueError, match="one dtype"):
         call(q, k.half(), v.half(), lens, bias, 6)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "padded_len", "heads"), [([1], 1, 2), ([5, 2], 5, 3), ([70, 9, 1], 70, 2)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_square_mask_kernel_equals_the_torch_mask(lengths, padded_len, heads, dtype):
+    from xgr.kernels.encoder_attention import square_mask
+
+    *_, lengths_t, bias = make_inputs(lengths, padded_len, heads, 16, dtype, seed=padded_len)
+    got = kernel_module.square_mask(lengths_t, bias, padded_len, dtype)
+    expected = square_mask(lengths_t, bias, padded_len, dtype)
+    assert got.shape == (len(lengths), heads, padded_len, padded_len) and got.dtype == dtype
+    assert torch.equal(got, expected)  # copies of the same values, and -inf
+    assert torch.isneginf(got[0, :, :, lengths[0] :]).all()
+
+
+def test_square_mask_kernel_refuses_misshapen_bias():
+    bias = torch.zeros(2, 7, device=DEVICE)
+    with pytest.raises(ValueError, match="bias_by_offset"):
+        kernel_module.square_mask(torch.tensor([3], device=DEVICE), bias, 5, torch.float32)

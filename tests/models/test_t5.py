@@ -226,6 +226,21 @@ def test_head_tying_and_scaling(t5_dirs):
     assert (untied.config.num_layers, untied.config.num_decoder_layers) == (2, 3)
 
 
+def test_position_biases_are_kept_until_the_table_changes(t5_dirs):
+    model = load_t5(t5_dirs["relu", False], "cpu", "float32")
+    table = model.decoder.position_bias_table
+    first = model._decoder_bias(2, table.device)
+    expected = relative_position_bias(
+        table, torch.tensor([2]), torch.arange(3), False,
+        model.config.relative_attention_max_distance,
+    )[:, 0]  # fmt: skip
+    torch.testing.assert_close(first, expected)
+    assert model._decoder_bias(2, table.device) is first  # kept
+    with torch.no_grad():
+        table.add_(1.0)  # new weights: recomputed, not the kept values
+    torch.testing.assert_close(model._decoder_bias(2, table.device), first + 1.0)
+
+
 def test_load_model_picks_the_architecture(t5_dirs, model_dirs):
     assert isinstance(load_model(t5_dirs["relu", True], "cpu", "float32"), T5Seq2SeqLM)
     assert isinstance(load_model(model_dirs["qwen2"], "cpu", "float32"), CausalLM)

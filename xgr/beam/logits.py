@@ -51,30 +51,43 @@ def full_vocab_logsumexp(hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> 
         (N,) float32. Logits are rounded to the model dtype before the float32 reduction, as
         HF computes ``lm_head(h).float()``.
     """
+    if hidden.is_cuda:
+        return torch.logsumexp(full_vocab_partials(hidden, lm_head_weight), dim=-1)
     vocab, rows = lm_head_weight.shape[0], max(hidden.shape[0], 1)
-    fused = hidden.is_cuda
-    element_bytes = hidden.element_size() + (0 if fused else 4)
-    chunk = max(1024, LSE_CHUNK_BYTES // (element_bytes * rows))
-    starts = range(0, vocab, chunk)
-    if fused:
-        from xgr.kernels.triton_logsumexp import num_partials, row_logsumexp_partials
-
-        widths = [min(chunk, vocab - start) for start in starts]
-        counts = [num_partials(hidden.shape[0], w, hidden.device) for w in widths]
-        partials = torch.empty(
-            hidden.shape[0], sum(counts), dtype=torch.float32, device=hidden.device
-        )
-        col = 0
-        for start, count in zip(starts, counts, strict=True):
-            logits = hidden @ lm_head_weight[start : start + chunk].T
-            row_logsumexp_partials(logits, partials[:, col : col + count])
-            col += count
-        return torch.logsumexp(partials, dim=-1)
+    chunk = max(1024, LSE_CHUNK_BYTES // ((hidden.element_size() + 4) * rows))
     total = None
-    for start in starts:
+    for start in range(0, vocab, chunk):
         part = torch.logsumexp((hidden @ lm_head_weight[start : start + chunk].T).float(), dim=-1)
         total = part if total is None else torch.logaddexp(total, part)
     return total
+
+
+def full_vocab_partials(hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+    """Log-sum-exps of blocks of each row's full-vocabulary logits (CUDA): each vocabulary
+    chunk's model-dtype product reduced by one Triton pass
+    (``xgr.kernels.triton_logsumexp.row_logsumexp_partials``).
+
+    Args:
+        hidden: (N, hidden_size) final hidden states, model dtype, on CUDA.
+        lm_head_weight: (vocab_size, hidden_size), model dtype.
+
+    Returns:
+        (N, P) float32; their log-sum-exp over P is ``full_vocab_logsumexp``.
+    """
+    from xgr.kernels.triton_logsumexp import num_partials, row_logsumexp_partials
+
+    vocab, rows = lm_head_weight.shape[0], max(hidden.shape[0], 1)
+    chunk = max(1024, LSE_CHUNK_BYTES // (hidden.element_size() * rows))
+    starts = range(0, vocab, chunk)
+    widths = [min(chunk, vocab - start) for start in starts]
+    counts = [num_partials(hidden.shape[0], w, hidden.device) for w in widths]
+    partials = torch.empty(hidden.shape[0], sum(counts), dtype=torch.float32, device=hidden.device)
+    col = 0
+    for start, count in zip(starts, counts, strict=True):
+        logits = hidden @ lm_head_weight[start : start + chunk].T
+        row_logsumexp_partials(logits, partials[:, col : col + count])
+        col += count
+    return partials
 
 
 def distinct_code_mask(sid_token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -102,6 +115,37 @@ def distinct_code_mask(sid_token_ids: torch.Tensor, vocab_size: int) -> torch.Te
     return mask.to(sid_token_ids.device)
 
 
+def code_log_probs_reference(
+    logits: torch.Tensor,
+    lse: torch.Tensor | None,
+    code_mask: torch.Tensor | None,
+    model_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The torch reference: mask, then normalize over the codes or the whole vocabulary.
+
+    With a full-vocabulary normalizer in a half dtype, lse = log(sum_V) holds the codes'
+    logits rounded; the result normalizes by log(sum_V - sum_codes_rounded + sum_codes), so
+    that no log-probability exceeds 0 (computed stably, clamping the difference at 0).
+
+    Args:
+        logits: (N, C) float32 code logits.
+        lse: (N,) float32 full-vocabulary log-sum-exp of the model-dtype logits, or None.
+        code_mask, model_dtype: as ``xgr.kernels.triton_code_log_probs.code_log_probs_from_logits``.
+
+    Returns:
+        (N, C) float32.
+    """
+    if code_mask is not None:
+        logits = logits.masked_fill(~code_mask, float("-inf"))
+    if lse is None:
+        return torch.log_softmax(logits, dim=-1)
+    if model_dtype != torch.float32:
+        rounded = torch.logsumexp(logits.to(model_dtype).float(), dim=-1)
+        rest = torch.log((1 - torch.exp(rounded - lse)).clamp(min=0)) + lse
+        lse = torch.logaddexp(rest, torch.logsumexp(logits, dim=-1))
+    return logits - lse[:, None]
+
+
 def code_log_probs(
     hidden: torch.Tensor,
     level_weight: torch.Tensor,
@@ -125,14 +169,10 @@ def code_log_probs(
         ones (the rest of the vocabulary stays rounded), so no log-probability exceeds 0.
     """
     logits = hidden.float() @ level_weight.T
-    if code_mask is not None:
-        logits = logits.masked_fill(~code_mask, float("-inf"))
-    if lm_head_weight is None:
-        return torch.log_softmax(logits, dim=-1)
-    lse = full_vocab_logsumexp(hidden, lm_head_weight)
-    if hidden.dtype != torch.float32:
-        # log(sum_all - sum_codes_rounded + sum_codes_float32), computed stably.
-        rounded = torch.logsumexp(logits.to(hidden.dtype).float(), dim=-1)
-        rest = torch.log((1 - torch.exp(rounded - lse)).clamp(min=0)) + lse
-        lse = torch.logaddexp(rest, torch.logsumexp(logits, dim=-1))
-    return logits - lse[:, None]
+    if hidden.is_cuda:  # one Triton pass after the GEMMs, where torch takes ~35 kernels
+        from xgr.kernels.triton_code_log_probs import code_log_probs_from_logits
+
+        partials = None if lm_head_weight is None else full_vocab_partials(hidden, lm_head_weight)
+        return code_log_probs_from_logits(logits, partials, code_mask, hidden.dtype)
+    lse = None if lm_head_weight is None else full_vocab_logsumexp(hidden, lm_head_weight)
+    return code_log_probs_reference(logits, lse, code_mask, hidden.dtype)

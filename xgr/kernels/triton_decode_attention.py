@@ -448,9 +448,10 @@ def shared_decode_attention(
     Raises:
         ValueError: as ``beam_decode_attention``.
     """
-    # The kernel's beam part reads no slot when num_beam_tokens is 0: a one-row stand-in.
-    none_k = q.new_zeros(1, 1, shared_k.shape[1], q.shape[2])
-    none_rows = torch.zeros(q.shape[0], 1, dtype=torch.int32, device=q.device)
+    # The kernel's beam part reads no slot when num_beam_tokens is 0: one-row stand-ins,
+    # left unwritten (zeroing them took two fill kernels a layer in the decode graphs).
+    none_k = q.new_empty(1, 1, shared_k.shape[1], q.shape[2])
+    none_rows = torch.empty(q.shape[0], 1, dtype=torch.int32, device=q.device)
     return beam_decode_attention(
         q, shared_k, shared_v, cu_seqlens, none_k, none_k, none_rows, 0, beam_width, scale
     )
