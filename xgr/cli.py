@@ -222,8 +222,14 @@ def _engine_options(func=None, *, demo_only: bool = False):
             default="float32",
             show_default=True,
             type=click.Choice(["float32", "bfloat16", "float16"]),
+            help="Weights and activations dtype (half types on a GPU).",
         ),
-        click.option("--device", default="cpu", show_default=True),
+        click.option(
+            "--device",
+            default="cpu",
+            show_default=True,
+            help='Torch device: "cpu", "cuda" or "cuda:N".',
+        ),
         click.option(
             "--cache-dir",
             type=click.Path(file_okay=False, path_type=Path),

@@ -85,5 +85,8 @@ def test_empty_and_misshapen_inputs():
         code_log_probs_from_logits(logits, torch.zeros(2, 4, device=DEVICE), None, torch.float32)
     with pytest.raises(ValueError, match="code_mask"):
         code_log_probs_from_logits(logits, None, torch.ones(7, dtype=torch.bool), torch.float32)
+    strided = torch.ones(8, 2, dtype=torch.bool, device=DEVICE)[:, 1]
+    with pytest.raises(ValueError, match="code_mask"):
+        code_log_probs_from_logits(logits, None, strided, torch.float32)
     with pytest.raises(ValueError, match="model_dtype"):
         code_log_probs_from_logits(logits, None, None, torch.int32)

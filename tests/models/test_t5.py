@@ -215,6 +215,47 @@ def test_triton_decoder_attention_equals_the_reference(t5_dirs):
     torch.testing.assert_close(outputs["triton"], outputs["torch"], atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("variant", VARIANTS, ids=str)
+def test_small_rows_decode_equals_the_cublas_path(monkeypatch, t5_dirs, variant):
+    """The first decode steps of a batch (at most 16 rows) run norm, activation and residual
+    inside their projections (``triton_small_rows_linear``): two steps give the results of
+    the op-by-op path (float32; under Triton's interpreter on the CPU)."""
+    pytest.importorskip("triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = load_t5(t5_dirs[variant], device, "float32")
+    model.fuse_projections()
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (5, 12)]
+    beam_width, rows = 3, 6
+    steps = [torch.randint(0, 96, (rows,), generator=gen).to(device) for _ in range(2)]
+    outputs = {}
+    with torch.inference_mode():
+        _, shared, cu = encode(model, prompts)
+        for small in (False, True):
+            monkeypatch.setattr(t5_module, "small_rows_kernels", lambda x, s=small: s)
+            beam = model.allocate_beam_kv(rows, 2)
+            kv_rows = torch.arange(rows, device=device)
+            outs = []
+            for ids in steps:
+                meta = EncDecDecodeMetadata(shared, beam, cu, beam_width, kv_rows)
+                outs.append(model.decode(ids, meta))
+                beam.length += 1
+            outputs[small] = outs
+    for got, expected in zip(outputs[True], outputs[False], strict=True):
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+
+
+def test_small_rows_path_needs_fused_projections_and_few_rows_on_cuda(t5_dirs):
+    model = load_t5(t5_dirs["gated-gelu", False], "cpu", "float32")
+    assert not model._projections_fused()
+    model.fuse_projections()
+    assert model._projections_fused()
+    assert not t5_module.small_rows_kernels(torch.zeros(4, 8))  # the CPU: cuBLAS-free path
+    if torch.cuda.is_available():
+        assert t5_module.small_rows_kernels(torch.zeros(16, 8, device="cuda"))
+        assert not t5_module.small_rows_kernels(torch.zeros(17, 8, device="cuda"))
+
+
 def test_head_tying_and_scaling(t5_dirs):
     tied = load_t5(t5_dirs["relu", True], "cpu", "float32")
     assert tied.lm_head.weight.data_ptr() == tied.shared.weight.data_ptr()
@@ -226,7 +267,7 @@ def test_head_tying_and_scaling(t5_dirs):
     assert (untied.config.num_layers, untied.config.num_decoder_layers) == (2, 3)
 
 
-def test_position_biases_are_kept_until_the_table_changes(t5_dirs):
+def test_position_biases_are_kept_once_the_projections_are_fused(t5_dirs):
     model = load_t5(t5_dirs["relu", False], "cpu", "float32")
     table = model.decoder.position_bias_table
     first = model._decoder_bias(2, table.device)
@@ -235,10 +276,18 @@ def test_position_biases_are_kept_until_the_table_changes(t5_dirs):
         model.config.relative_attention_max_distance,
     )[:, 0]  # fmt: skip
     torch.testing.assert_close(first, expected)
-    assert model._decoder_bias(2, table.device) is first  # kept
-    with torch.no_grad():
-        table.add_(1.0)  # new weights: recomputed, not the kept values
-    torch.testing.assert_close(model._decoder_bias(2, table.device), first + 1.0)
+    assert not first.requires_grad  # no autograd graph kept with it
+    assert model._decoder_bias(2, table.device) is not first  # unfused: computed each time
+    model.fuse_projections()
+    kept = model._decoder_bias(2, table.device)
+    assert model._decoder_bias(2, table.device) is kept
+    model.double()  # a cast empties the cache: the bias follows the table's dtype
+    again = model._decoder_bias(2, table.device)
+    assert again.dtype == torch.float64 and again is not kept
+    torch.testing.assert_close(again, expected.double())
+    with torch.inference_mode():  # inference tensors have no version counter: not read
+        model._encoder_bias(4)
+        model._decoder_bias(3, table.device)
 
 
 def test_load_model_picks_the_architecture(t5_dirs, model_dirs):

@@ -82,7 +82,8 @@ def code_log_probs_from_logits(
         logits: (N, C) float32 code logits, last dimension contiguous.
         partials: (N, P) float32 log-sum-exps of blocks of the full vocabulary's logits
             (rounded to ``model_dtype``), or None to normalize over the codes only.
-        code_mask: (C,) bool, the codes to keep (the rest get -inf), or None: all.
+        code_mask: (C,) contiguous bool, the codes to keep (the rest get -inf), or None: all.
+            All tensors on one device.
         model_dtype: float32, bfloat16 or float16: the dtype the partials' logits were
             rounded to (half types: the codes' rounded logits are swapped for ``logits``).
 
@@ -98,11 +99,18 @@ def code_log_probs_from_logits(
     rows, codes = logits.shape
     if partials is not None and (
         partials.dim() != 2 or partials.shape[0] != rows or partials.dtype != torch.float32
-        or partials.stride(1) != 1
+        or partials.stride(1) != 1 or partials.device != logits.device
     ):  # fmt: skip
-        raise ValueError(f"partials must be ({rows}, P) float32, got {tuple(partials.shape)}")
-    if code_mask is not None and (code_mask.shape != (codes,) or code_mask.dtype != torch.bool):
-        raise ValueError(f"code_mask must be ({codes},) bool, got {tuple(code_mask.shape)}")
+        raise ValueError(f"partials must be ({rows}, P) float32 with contiguous rows on "
+                         f"{logits.device}, got {tuple(partials.shape)} {partials.dtype} on "
+                         f"{partials.device}")  # fmt: skip
+    if code_mask is not None and (
+        code_mask.shape != (codes,) or code_mask.dtype != torch.bool
+        or code_mask.stride(0) != 1 or code_mask.device != logits.device
+    ):  # fmt: skip
+        raise ValueError(f"code_mask must be ({codes},) contiguous bool on {logits.device}, "
+                         f"got {tuple(code_mask.shape)} {code_mask.dtype} on "
+                         f"{code_mask.device}")  # fmt: skip
     if model_dtype not in _ROUNDING:
         raise ValueError(f"model_dtype must be one of {list(_ROUNDING)}, got {model_dtype}")
     out = torch.empty_like(logits)

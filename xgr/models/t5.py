@@ -46,6 +46,20 @@ from xgr.models.t5_blocks import EncDecDecodeMetadata, T5Stack, residual_stack
 # (``engine.cuda_graph.MAX_ENCODER_MASK_BYTES``), whichever is set.
 ENCODER_ATTENTION = "sdpa"
 
+# The small-rows kernel's name of each feed-forward activation (``T5Config.dense_act_fn``).
+_SMALL_ROWS_ACTIVATIONS = {"relu": "relu", "gelu_new": "gelu_tanh"}
+
+
+def small_rows_kernels(x: torch.Tensor) -> bool:
+    """Whether a decoder step over the rows of x runs its projections through
+    ``xgr.kernels.triton_small_rows_linear`` (a CUDA step of at most its ``MAX_ROWS`` rows:
+    the first step of a batch, one row a request), else through cuBLAS with the separate
+    norm, activation and residual passes."""
+    from xgr.kernels.triton_small_rows_linear import MAX_ROWS
+
+    return x.is_cuda and x.shape[0] <= MAX_ROWS
+
+
 __all__ = ["EncDecDecodeMetadata", "T5Seq2SeqLM"]
 
 
@@ -79,6 +93,7 @@ class T5Seq2SeqLM(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.cross_kv: nn.Linear | None = None
         self._bias_cache: dict[tuple, torch.Tensor] = {}
+        self._keep_biases = False  # set by fuse_projections
 
     def fuse_projections(self) -> None:
         """One GEMM for each self-attention's q/k/v and each gated feed-forward's
@@ -90,7 +105,12 @@ class T5Seq2SeqLM(nn.Module):
         once: its output columns are (layer, k or v, head, d_kv), the layout of a row of
         ``SharedKV.token_major``. Each layer's own ``kv`` projection stays, as a view of
         its rows (no second copy of the weights).
+
+        From here on the position biases are kept once computed (``_position_bias``): like
+        the fused weights, they are copies that later weight edits do not reach.
         """
+        self._bias_cache.clear()
+        self._keep_biases = True
         for stack in (self.encoder, self.decoder):
             for block in stack.block:
                 block.layer[0].SelfAttention.fuse_projections()
@@ -241,21 +261,68 @@ class T5Seq2SeqLM(nn.Module):
         """
         x = self.shared(input_ids)
         bias = self._decoder_bias(meta.beam.length, x.device)
-        sublayers = []
-        for layer, block in enumerate(self.decoder.block):
-            attn, cross, ff = block.layer
-            sublayers += [
-                (attn.layer_norm,
-                 lambda h, a=attn, i=layer: a.SelfAttention.over_beam(h, i, meta, bias)),
-                (cross.layer_norm,
-                 lambda h, c=cross, i=layer: c.EncDecAttention.over_encoder(h, i, meta)),
-                (ff.layer_norm, ff.DenseReluDense),
-            ]  # fmt: skip
-        x = residual_stack(x, sublayers, self.decoder.final_layer_norm)
+        if self._projections_fused() and small_rows_kernels(x):
+            x = self._decode_small_rows(x, meta, bias)
+        else:
+            sublayers = []
+            for layer, block in enumerate(self.decoder.block):
+                attn, cross, ff = block.layer
+                sublayers += [
+                    (attn.layer_norm,
+                     lambda h, a=attn, i=layer: a.SelfAttention.over_beam(h, i, meta, bias)),
+                    (cross.layer_norm,
+                     lambda h, c=cross, i=layer: c.EncDecAttention.over_encoder(h, i, meta)),
+                    (ff.layer_norm, ff.DenseReluDense),
+                ]  # fmt: skip
+            x = residual_stack(x, sublayers, self.decoder.final_layer_norm)
         if self.config.scale_decoder_outputs:
             # Original T5 ties the head to the embedding and rescales its input to match.
             x = x * self.config.d_model**-0.5
         return x
+
+    def _projections_fused(self) -> bool:
+        """Whether ``fuse_projections`` ran (the small-rows path reads the fused weights)."""
+        if not len(self.decoder.block):
+            return False
+        attn, *_, ff = self.decoder.block[0].layer
+        dense = ff.DenseReluDense
+        gate_up_fused = not dense.gated or dense.wi_fused is not None
+        return attn.SelfAttention.qkv is not None and gate_up_fused
+
+    def _decode_small_rows(
+        self, x: torch.Tensor, meta: EncDecDecodeMetadata, bias: torch.Tensor
+    ) -> torch.Tensor:
+        """``decode``'s blocks and final norm with each sublayer's norm, activation and
+        residual add inside its projections (``small_rows_linear``): 6 launches of those a
+        block, where the cuBLAS path takes 6 GEMMs (some split in two) and 4 passes.
+
+        Args:
+            x: (N, d_model) embedded tokens, N <= ``MAX_ROWS``.
+            meta, bias: as ``decode``.
+
+        Returns:
+            (N, d_model) final layer norm's output, model dtype.
+        """
+        from xgr.kernels.triton_small_rows_linear import small_rows_linear as linear
+
+        act = _SMALL_ROWS_ACTIVATIONS[self.config.dense_act_fn]
+        rows = x.shape[0]
+        for layer, block in enumerate(self.decoder.block):
+            attn, cross, ff = block.layer
+            own, other, dense = attn.SelfAttention, cross.EncDecAttention, ff.DenseReluDense
+            heads, inner = own.num_heads, own.num_heads * own.d_kv
+            qkv = linear(x, own.qkv.weight, attn.layer_norm.weight, attn.layer_norm.eps)
+            q, k, v = qkv.view(rows, 3, heads, own.d_kv).unbind(1)
+            out = own.beam_attention(q, k, v, layer, meta, bias).reshape(rows, inner)
+            x = linear(out, own.o.weight, residual=x)
+            q = linear(x, other.q.weight, cross.layer_norm.weight, cross.layer_norm.eps)
+            out = other.encoder_attention(q.view(rows, heads, own.d_kv), layer, meta)
+            x = linear(out.reshape(rows, inner), other.o.weight, residual=x)
+            wi = dense.wi_fused if dense.gated else dense.wi
+            norm = ff.layer_norm
+            hidden = linear(x, wi.weight, norm.weight, norm.eps, activation=act, gated=dense.gated)
+            x = linear(hidden, dense.wo.weight, residual=x)
+        return self.decoder.final_layer_norm(x)
 
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, d_model) ``decode`` output -> (N, vocab_size) float32 log-softmax."""
@@ -292,18 +359,26 @@ class T5Seq2SeqLM(nn.Module):
         return self._position_bias(("decoder", position), self.decoder.position_bias_table, compute)
 
     def _position_bias(self, key: tuple, table: torch.Tensor, compute) -> torch.Tensor:
-        """``compute(table)``, kept for the next call with the same key and table contents.
+        """``compute(table)``, kept for later calls with the same key once the projections
+        are fused (the engine's models; see ``fuse_projections``).
 
         The bucket arithmetic is a few dozen small kernels (about 40 us a decode level in a
         CUDA graph on the H200) for values that depend on the weights and the position only.
         Nothing is kept while a CUDA graph captures: the tensor would live in the graph's
         memory pool, which a later pool growth frees (the engine runs each graph's work
-        eagerly once before capturing it, which fills the cache).
+        eagerly once before capturing it, which fills the cache). Moving or casting the
+        model (``_apply``) empties the cache.
         """
-        full_key = (*key, table.device, table.data_ptr(), table._version)
+        full_key = (*key, table.device, table.dtype)
         bias = self._bias_cache.get(full_key)
         if bias is None:
-            bias = compute(table)
-            if not (bias.is_cuda and torch.cuda.is_current_stream_capturing()):
+            with torch.no_grad():  # a kept tensor must not hold an autograd graph
+                bias = compute(table)
+            capturing = bias.is_cuda and torch.cuda.is_current_stream_capturing()
+            if self._keep_biases and not capturing:
                 self._bias_cache[full_key] = bias
         return bias
+
+    def _apply(self, fn, recurse=True):
+        self._bias_cache.clear()
+        return super()._apply(fn, recurse)

@@ -184,27 +184,45 @@ class T5Attention(nn.Module):
         Returns:
             (N, d_model).
         """
-        q, k, v = self.project_qkv(x)
+        return self.project_out(self.beam_attention(*self.project_qkv(x), layer, meta, bias))
+
+    def beam_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        meta: EncDecDecodeMetadata,
+        bias: torch.Tensor,
+    ) -> torch.Tensor:
+        """``over_beam`` between its projections: q, k, v (N, num_heads, d_kv) of the
+        newest tokens -> (N, num_heads, d_kv) attention output (k, v written to the beam)."""
         beam = meta.beam
         args = (q, k, v, beam.k[layer], beam.v[layer], beam.rows, meta.kv_rows, beam.length, bias)
         if meta.backend == "triton":
             from xgr.kernels.triton_beam_self_attention import beam_self_attention
 
-            return self.project_out(beam_self_attention(*args))
-        return self.project_out(beam_self_attention_reference(*args))
+            return beam_self_attention(*args)
+        return beam_self_attention_reference(*args)
 
     def over_encoder(self, x: torch.Tensor, layer: int, meta: EncDecDecodeMetadata) -> torch.Tensor:
         """Cross-attention of every query row over its request's encoder K/V (no mask, no
         position bias): (N, d_model) -> (N, d_model)."""
-        q, k, v = self.heads(self.q, x), meta.shared.k[layer], meta.shared.v[layer]
+        return self.project_out(self.encoder_attention(self.heads(self.q, x), layer, meta))
+
+    def encoder_attention(
+        self, q: torch.Tensor, layer: int, meta: EncDecDecodeMetadata
+    ) -> torch.Tensor:
+        """``over_encoder`` between its projections: (N, num_heads, d_kv) queries ->
+        (N, num_heads, d_kv) attention output, in q's dtype."""
+        k, v = meta.shared.k[layer], meta.shared.v[layer]
         scale = 1.0  # T5 folds the 1 / sqrt(d) scale into its initialization
         if meta.backend == "triton":
             from xgr.kernels.triton_decode_attention import shared_decode_attention
 
-            cu = meta.shared.cu_seqlens
-            return self.project_out(shared_decode_attention(q, k, v, cu, meta.beam_width, scale))
+            return shared_decode_attention(q, k, v, meta.shared.cu_seqlens, meta.beam_width, scale)
         out, _ = shared_attention_reference(q, k, v, meta.cu_seqlens, meta.beam_width, scale)
-        return self.project_out(out.to(x.dtype))
+        return out.to(q.dtype)
 
 
 class T5FeedForward(nn.Module):

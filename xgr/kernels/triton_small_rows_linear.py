@@ -1,0 +1,200 @@
+"""Triton projection for a handful of rows (at most 16), with a layer's elementwise work
+fused in.
+
+An encoder-decoder's first decode step has one row per request. Its projections are then
+matrix-vector products, bound by reading the weights, and cuBLAS runs each as one or two
+kernels of 5-8 us (H200, d_model 1024) around RMSNorm, activation and residual-add passes
+of their own. Here one launch reads each weight once, spread over enough programs to keep
+the memory system busy, and does its neighbours' elementwise work:
+
+- ``norm``: RMSNorm of the input rows (Zhang & Sennrich, 2019), the rows' mean squares
+  taken in a first pass, the scale applied to each loaded tile;
+- ``activation``: ReLU, SiLU or tanh-approximated GELU of the projection, or, ``gated``,
+  act(gate) * up with the gate rows then the up rows in one weight (``concat_linears``;
+  Shazeer, "GLU Variants Improve Transformer", 2020);
+- ``residual``: added last.
+
+Each step rounds where the torch ops it replaces (``small_rows_linear_reference``) round:
+the normalized rows, the scaled rows, the projection, the activation, each in the model
+dtype. Only the GEMM's accumulation order and float32 rounding (rsqrt, exp) differ.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16
+ACTIVATIONS = {None: 0, "relu": 1, "gelu_tanh": 2, "silu": 3}
+
+
+@triton.jit
+def _activation(x, ACT: tl.constexpr):
+    if ACT == 1:
+        x = tl.maximum(x, 0.0)
+    elif ACT == 2:  # 0.5 x (1 + tanh z) written as x * sigmoid(2 z), as triton_elementwise
+        z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        x = x / (1.0 + tl.exp(-2.0 * z))
+    elif ACT == 3:
+        x = x / (1.0 + tl.exp(-x))
+    return x
+
+
+@triton.jit
+def _small_rows_linear_kernel(
+    X, W, OUT, NORM_W, RES, rows, cols, stride_x, stride_w, stride_o, stride_r, eps,
+    depth: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, ACT: tl.constexpr,
+    GATED: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Grid: (column blocks,); every program holds all rows, so each weight tile is read
+    once. ``depth`` (K) is a compile-time constant: a model has a few."""
+    dtype = OUT.dtype.element_ty
+    r = tl.arange(0, 16)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    r_ok, n_ok = r < rows, n < cols
+    kk = tl.arange(0, BLOCK_K)
+    x_rows = X + r[:, None] * stride_x
+    if NORM:
+        squares = tl.zeros([16], tl.float32)
+        for k in tl.static_range(0, depth, BLOCK_K):  # unrolled: the loads overlap
+            ok = r_ok[:, None] & (k + kk < depth)[None, :]
+            xs = tl.load(x_rows + (k + kk)[None, :], mask=ok, other=0.0).to(tl.float32)
+            squares += tl.sum(xs * xs, 1)
+        rstd = 1.0 / tl.sqrt(squares / depth + eps)
+    acc = tl.zeros([16, BLOCK_N], tl.float32)
+    if GATED:
+        acc_up = tl.zeros([16, BLOCK_N], tl.float32)
+    w_rows = W + n[:, None].to(tl.int64) * stride_w
+    w_up = W + (n + cols)[:, None].to(tl.int64) * stride_w
+    for k in range(0, depth, BLOCK_K):
+        k_ok = k + kk < depth
+        a = tl.load(x_rows + (k + kk)[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        if NORM:  # the reference's two roundings: normalized rows, then times the scale
+            g = tl.load(NORM_W + k + kk, mask=k_ok, other=0.0).to(tl.float32)
+            a = (a.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32) * g[None, :]
+            a = a.to(dtype)
+        w_ok = n_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_rows + (k + kk)[None, :], mask=w_ok, other=0.0)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+        if GATED:
+            w = tl.load(w_up + (k + kk)[None, :], mask=w_ok, other=0.0)
+            acc_up = tl.dot(a, tl.trans(w), acc_up, input_precision=PRECISION)
+    out = acc.to(dtype).to(tl.float32)  # the projection, rounded as the reference stores it
+    if ACT != 0:
+        out = _activation(out, ACT).to(dtype).to(tl.float32)
+    if GATED:
+        out = (out * acc_up.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    ok = r_ok[:, None] & n_ok[None, :]
+    if RESIDUAL:
+        out += tl.load(RES + r[:, None] * stride_r + n[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(OUT + r[:, None] * stride_o + n[None, :], out.to(dtype), mask=ok)
+
+
+def launch_config(cols: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages): 16-column blocks, so that even a
+    1024-column projection spreads over most of the GPU's SMs, and 256-wide K tiles (128 for
+    K = 128). On an H200 (one and eight rows, T5 OneRec-like and TIGER-size projections)
+    these were the fastest of seven launches, or within about 1 us of it (the spread between
+    runs): benchmarks/results/small-rows-linear-sweep-s11-*."""
+    return 16, 256, 4, 3
+
+
+def small_rows_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    residual: torch.Tensor | None = None,
+    activation: str | None = None,
+    gated: bool = False,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """``small_rows_linear_reference`` in one Triton launch.
+
+    Args:
+        x: (M, K) rows, M <= ``MAX_ROWS``, last dimension contiguous; float32, float16 or
+            bfloat16.
+        weight: (N, K) an ``nn.Linear`` weight (no bias) in x's dtype, last dimension
+            contiguous; gated: N = 2 I, the gate rows then the up rows.
+        norm_weight: (K,) RMSNorm scale applied to x first (x's dtype), or None.
+        eps: the norm's epsilon.
+        residual: (M, N) (or (M, I) gated) added last, in x's dtype, or None.
+        activation: None, "relu", "gelu_tanh" or "silu".
+        gated: the output is act(gate) * up (needs an activation).
+        config: ``launch_config``'s tuple, to override it (benchmarks).
+
+    Returns:
+        (M, N), or (M, I) gated, in x's dtype.
+
+    Raises:
+        ValueError: too many rows, mismatched shapes or dtypes, an odd gated weight, a
+            non-contiguous last dimension or an unknown activation.
+    """
+    rows, depth = x.shape
+    if rows > MAX_ROWS:
+        raise ValueError(f"at most {MAX_ROWS} rows, got {rows}")
+    if weight.dim() != 2 or weight.shape[1] != depth or weight.dtype != x.dtype:
+        raise ValueError(f"weight must be (N, {depth}) {x.dtype}, got "
+                         f"{tuple(weight.shape)} {weight.dtype}")  # fmt: skip
+    if activation not in ACTIVATIONS or (gated and (activation is None or weight.shape[0] % 2)):
+        raise ValueError(f"activation must be one of {list(ACTIVATIONS)} (not None when gated, "
+                         f"over an even number of rows), got {activation!r}")  # fmt: skip
+    cols = weight.shape[0] // 2 if gated else weight.shape[0]
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("x and weight need a contiguous last dimension")
+    for name, t, shape in (("norm_weight", norm_weight, (depth,)),
+                           ("residual", residual, (rows, cols))):  # fmt: skip
+        if t is not None and (tuple(t.shape) != shape or t.dtype != x.dtype or t.stride(-1) != 1):
+            raise ValueError(f"{name} must be {shape} {x.dtype}, contiguous, got "
+                             f"{tuple(t.shape)} {t.dtype}")  # fmt: skip
+    out = torch.empty(rows, cols, dtype=x.dtype, device=x.device)
+    if not rows or not cols:
+        return out
+    block_n, block_k, warps, stages = config or launch_config(cols)
+    _small_rows_linear_kernel[(triton.cdiv(cols, block_n),)](
+        x, weight, out, norm_weight if norm_weight is not None else x,
+        residual if residual is not None else x,
+        rows, cols, x.stride(0), weight.stride(0), out.stride(0),
+        residual.stride(0) if residual is not None else 0, eps,
+        depth=depth, NORM=norm_weight is not None, RESIDUAL=residual is not None,
+        ACT=ACTIVATIONS[activation], GATED=gated,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(depth)),
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+_TORCH_ACTIVATIONS = {
+    "relu": F.relu,
+    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+    "silu": F.silu,
+}
+
+
+def small_rows_linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    residual: torch.Tensor | None = None,
+    activation: str | None = None,
+    gated: bool = False,
+) -> torch.Tensor:
+    """The torch ops ``small_rows_linear`` replaces: [residual +] act(F.linear(rms_norm(x),
+    weight)) [* up]. Arguments, shapes and result as ``small_rows_linear``."""
+    if norm_weight is not None:  # xgr.layers.norm.rms_norm_reference, HF's rounding
+        x32 = x.float()
+        x = norm_weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    out = F.linear(x, weight)
+    up = None
+    if gated:
+        out, up = out.chunk(2, dim=-1)
+    if activation is not None:
+        out = _TORCH_ACTIVATIONS[activation](out)
+    if up is not None:
+        out = out * up
+    return out if residual is None else residual + out
