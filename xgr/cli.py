@@ -276,9 +276,9 @@ def main(verbose: bool) -> None:
     help="One history item, oldest first: an item id, a title with its year, or a "
     "semantic ID like '<a_1><b_2><c_3>'. Repeat for each item.",
 )
-@click.option("--beam-width", default=64, show_default=True)
+@click.option("--beam-width", default=64, show_default=True, help="Beams kept per decode step.")
 @click.option("--top-k", default=None, type=int, help="Candidates per beam (default beam width).")
-@click.option("--num-results", default=10, show_default=True)
+@click.option("--num-results", default=10, show_default=True, help="Items to print.")
 @click.option("--server", default=None, help="Ask a running `xgr serve` at this URL instead.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def recommend(
@@ -356,7 +356,7 @@ def recommend(
     click.echo(f"(beam width {beam_width}, {elapsed_ms:.1f} ms)")
 
 
-@main.command("eval")
+@main.command("eval", short_help="Recall@K / NDCG@K of the demo model(s) on MovieLens.")
 @_engine_options(demo_only=True)
 @click.option("--k", default=10, show_default=True, type=click.IntRange(1), help="Metric cut-off.")
 @click.option("--beam-width", default=64, show_default=True, type=click.IntRange(1))
@@ -414,7 +414,7 @@ def evaluate(source, k, beam_width, max_users, output) -> None:
             _fail(exc)
 
 
-@main.command()
+@main.command(short_help="Serve the HTTP API (recommend, completions, models, health, metrics).")
 @_engine_options
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
@@ -475,7 +475,7 @@ def serve(source, host, port, warm_up_tokens, **limits) -> None:
     uvicorn.run(create_app(engine, config), host=host, port=port)
 
 
-@main.group()
+@main.group(short_help="Load-test a service: xgr bench serve.")
 def bench() -> None:
     """Benchmarks of a service: over HTTP (--url) or the engine in-process."""
 
