@@ -35,6 +35,7 @@ CASES = [
     (3, 200, 50, True, False, "relu", False),  # T5's ReLU feed-forward; K not a tile multiple
     (8, 300, 64, True, False, "silu", True),  # SwiGLU
     (2, 64, 40, False, True, "relu", False),
+    (4, 8, 24, True, True, "silu", True),  # K below the GPU's smallest tensor-core tile
 ]
 
 
@@ -83,3 +84,9 @@ def test_no_rows_and_bad_arguments():
         small_rows_linear(x, w, residual=torch.zeros(3, 31, device=DEVICE))
     with pytest.raises(ValueError, match="norm_weight"):
         small_rows_linear(x, w, norm_weight=torch.ones(63, device=DEVICE))
+    with pytest.raises(ValueError, match="float32/float16/bfloat16"):
+        small_rows_linear(x.double(), w.double())
+    with pytest.raises(ValueError, match=r"\(M, K\)"):
+        small_rows_linear(x[0], w)
+    with pytest.raises(ValueError, match="column"):
+        small_rows_linear(x[:, :0], w[:, :0])

@@ -95,10 +95,10 @@ def _small_rows_linear_kernel(
 
 def launch_config(cols: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages): 16-column blocks, so that even a
-    1024-column projection spreads over most of the GPU's SMs, and 256-wide K tiles (128 for
-    K = 128). On an H200 (one and eight rows, T5 OneRec-like and TIGER-size projections)
-    these were the fastest of seven launches, or within about 1 us of it (the spread between
-    runs): benchmarks/results/small-rows-linear-sweep-s11-*."""
+    1024-column projection spreads over most of the GPU's SMs, and 256-wide K tiles (fewer
+    for a smaller K, at least 16). On an H200 (one and eight rows, T5 OneRec-like and
+    TIGER-size projections) these were the fastest of seven launches, or within about 1 us
+    of it (the spread between runs): benchmarks/results/small-rows-linear-sweep-s11-*."""
     return 16, 256, 4, 3
 
 
@@ -130,10 +130,17 @@ def small_rows_linear(
         (M, N), or (M, I) gated, in x's dtype.
 
     Raises:
-        ValueError: too many rows, mismatched shapes or dtypes, an odd gated weight, a
-            non-contiguous last dimension or an unknown activation.
+        ValueError: too many rows, no columns, another dtype, mismatched shapes, dtypes or
+            devices, an odd gated weight, a non-contiguous last dimension or an unknown
+            activation.
     """
+    if x.dim() != 2 or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"x must be (M, K) float32/float16/bfloat16, got {tuple(x.shape)} {x.dtype}"
+        )
     rows, depth = x.shape
+    if depth < 1:
+        raise ValueError("x needs at least one column")
     if rows > MAX_ROWS:
         raise ValueError(f"at most {MAX_ROWS} rows, got {rows}")
     if weight.dim() != 2 or weight.shape[1] != depth or weight.dtype != x.dtype:
@@ -143,11 +150,15 @@ def small_rows_linear(
         raise ValueError(f"activation must be one of {list(ACTIVATIONS)} (not None when gated, "
                          f"over an even number of rows), got {activation!r}")  # fmt: skip
     cols = weight.shape[0] // 2 if gated else weight.shape[0]
-    if x.stride(1) != 1 or weight.stride(1) != 1:
+    if depth > 1 and (x.stride(1) != 1 or weight.stride(1) != 1):
         raise ValueError("x and weight need a contiguous last dimension")
+    if any(t is not None and t.device != x.device for t in (weight, norm_weight, residual)):
+        raise ValueError(f"weight, norm_weight and residual must be on x's device {x.device}")
     for name, t, shape in (("norm_weight", norm_weight, (depth,)),
                            ("residual", residual, (rows, cols))):  # fmt: skip
-        if t is not None and (tuple(t.shape) != shape or t.dtype != x.dtype or t.stride(-1) != 1):
+        if t is not None and (
+            tuple(t.shape) != shape or t.dtype != x.dtype or (shape[-1] > 1 and t.stride(-1) != 1)
+        ):
             raise ValueError(f"{name} must be {shape} {x.dtype}, contiguous, got "
                              f"{tuple(t.shape)} {t.dtype}")  # fmt: skip
     out = torch.empty(rows, cols, dtype=x.dtype, device=x.device)
@@ -162,7 +173,8 @@ def small_rows_linear(
         depth=depth, NORM=norm_weight is not None, RESIDUAL=residual is not None,
         ACT=ACTIVATIONS[activation], GATED=gated,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(depth)),
+        # tl.dot needs K tiles of at least 16 on NVIDIA GPUs (the interpreter takes fewer).
+        BLOCK_N=block_n, BLOCK_K=max(16, min(block_k, triton.next_power_of_2(depth))),
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
