@@ -55,9 +55,11 @@ def small_rows_kernels(x: torch.Tensor) -> bool:
     ``xgr.kernels.triton_small_rows_linear`` (a CUDA step of at most its ``MAX_ROWS`` rows:
     the first step of a batch, one row a request), else through cuBLAS with the separate
     norm, activation and residual passes."""
+    if not x.is_cuda:  # the CPU path never imports Triton
+        return False
     from xgr.kernels.triton_small_rows_linear import MAX_ROWS
 
-    return x.is_cuda and x.shape[0] <= MAX_ROWS
+    return x.shape[0] <= MAX_ROWS
 
 
 __all__ = ["EncDecDecodeMetadata", "T5Seq2SeqLM"]
@@ -93,7 +95,6 @@ class T5Seq2SeqLM(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.cross_kv: nn.Linear | None = None
         self._bias_cache: dict[tuple, torch.Tensor] = {}
-        self._keep_biases = False  # set by fuse_projections
 
     def fuse_projections(self) -> None:
         """One GEMM for each self-attention's q/k/v and each gated feed-forward's
@@ -109,8 +110,6 @@ class T5Seq2SeqLM(nn.Module):
         From here on the position biases are kept once computed (``_position_bias``): like
         the fused weights, they are copies that later weight edits do not reach.
         """
-        self._bias_cache.clear()
-        self._keep_biases = True
         for stack in (self.encoder, self.decoder):
             for block in stack.block:
                 block.layer[0].SelfAttention.fuse_projections()
@@ -375,7 +374,7 @@ class T5Seq2SeqLM(nn.Module):
             with torch.no_grad():  # a kept tensor must not hold an autograd graph
                 bias = compute(table)
             capturing = bias.is_cuda and torch.cuda.is_current_stream_capturing()
-            if self._keep_biases and not capturing:
+            if self._projections_fused() and not capturing:
                 self._bias_cache[full_key] = bias
         return bias
 
