@@ -103,9 +103,29 @@ def rms_norm(
     return out if residual is None else (total.view(x.shape), out)
 
 
+# Activation codes of ``activation`` (constexpr arguments of the kernels that apply one).
+RELU, GELU_TANH, SILU = 1, 2, 3
+
+
+@triton.jit
+def activation(x, ACT: tl.constexpr):
+    """ReLU, tanh-approximated GELU or SiLU of float32 x (ACT: ``RELU``, ``GELU_TANH``,
+    ``SILU``; anything else: x unchanged)."""
+    if ACT == 1:
+        x = tl.maximum(x, 0.0)
+    elif ACT == 2:  # HF's gelu_new: 0.5 x (1 + tanh(sqrt(2 / pi) (x + c x^3)))
+        z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        # 0.5 (1 + tanh z) = 1 / (1 + exp(-2 z)); this form keeps the negative tail (no
+        # cancellation of 1 - 1 / (1 + exp(2 z)) to 0).
+        x = x / (1.0 + tl.exp(-2.0 * z))
+    elif ACT == 3:
+        x = x / (1.0 + tl.exp(-x))
+    return x
+
+
 @triton.jit
 def _gated_mul_kernel(
-    G, U, OUT, stride_g, stride_u, stride_o, inter, GELU: tl.constexpr, BLOCK: tl.constexpr
+    G, U, OUT, stride_g, stride_u, stride_o, inter, ACT: tl.constexpr, BLOCK: tl.constexpr
 ):  # fmt: skip
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -113,13 +133,7 @@ def _gated_mul_kernel(
     g = tl.load(G + row * stride_g + offs, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(U + row * stride_u + offs, mask=ok, other=0.0).to(tl.float32)
     dtype = OUT.dtype.element_ty
-    if GELU:  # tanh approximation (HF's gelu_new): 0.5 g (1 + tanh(sqrt(2 / pi) (g + c g^3)))
-        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        # 0.5 (1 + tanh z) = 1 / (1 + exp(-2 z)); this form keeps the negative tail (no
-        # cancellation of 1 - 1 / (1 + exp(2 z)) to 0).
-        act = (g / (1.0 + tl.exp(-2.0 * z))).to(dtype)
-    else:
-        act = (g / (1.0 + tl.exp(-g))).to(dtype)  # F.silu rounds here
+    act = activation(g, ACT).to(dtype)  # F.gelu / F.silu round here
     tl.store(OUT + row * stride_o + offs, (act.to(tl.float32) * u).to(dtype), mask=ok)
 
 
@@ -134,7 +148,7 @@ def _gated_mul(gate: torch.Tensor, up: torch.Tensor, gelu: bool) -> torch.Tensor
     if rows:
         _gated_mul_kernel[(rows, triton.cdiv(inter, block))](
             gate, up, out, gate.stride(0), up.stride(0), out.stride(0), inter,
-            GELU=gelu, BLOCK=block,
+            ACT=GELU_TANH if gelu else SILU, BLOCK=block,
         )  # fmt: skip
     return out
 

@@ -26,20 +26,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from xgr.kernels.triton_elementwise import GELU_TANH, RELU, SILU, activation
+
 MAX_ROWS = 16
-ACTIVATIONS = {None: 0, "relu": 1, "gelu_tanh": 2, "silu": 3}
-
-
-@triton.jit
-def _activation(x, ACT: tl.constexpr):
-    if ACT == 1:
-        x = tl.maximum(x, 0.0)
-    elif ACT == 2:  # 0.5 x (1 + tanh z) written as x * sigmoid(2 z), as triton_elementwise
-        z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-        x = x / (1.0 + tl.exp(-2.0 * z))
-    elif ACT == 3:
-        x = x / (1.0 + tl.exp(-x))
-    return x
+ACTIVATIONS = {None: 0, "relu": RELU, "gelu_tanh": GELU_TANH, "silu": SILU}
 
 
 @triton.jit
@@ -84,7 +74,7 @@ def _small_rows_linear_kernel(
             acc_up = tl.dot(a, tl.trans(w), acc_up, input_precision=PRECISION)
     out = acc.to(dtype).to(tl.float32)  # the projection, rounded as the reference stores it
     if ACT != 0:
-        out = _activation(out, ACT).to(dtype).to(tl.float32)
+        out = activation(out, ACT).to(dtype).to(tl.float32)
     if GATED:
         out = (out * acc_up.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     ok = r_ok[:, None] & n_ok[None, :]
