@@ -11,8 +11,8 @@ and of the decode levels, and peak GPU memory. HF ``T5ForConditionalGeneration.g
 runs on the same weights for the configurations in ``HF_CONFIGS``, with the speed-up, the
 peak-memory ratio and the top-10 overlap of the two.
 
-``--encoder-attention triton`` runs the encoder's CUDA graph with xgr's Triton attention
-(position bias read per offset) instead of SDPA with the square mask.
+``--encoder-attention sdpa`` runs the encoder's CUDA graph with SDPA and the square mask
+instead of xgr's Triton attention (the default: position bias read per offset).
 
 With ``--profile`` it also prints (and stores in the JSON) the kernels of the last HF
 configuration's request, eager so that the profiler sees each kernel: device time per kernel

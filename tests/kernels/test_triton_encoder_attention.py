@@ -82,6 +82,40 @@ def test_kernel_equals_the_reference(monkeypatch, lengths, padded_len, heads, he
     assert error < TOLERANCE[dtype], float(error)
 
 
+@pytest.mark.parametrize(("lengths", "padded_len"), [([70, 9, 41], 70), ([128], 128), ([3], 96)])
+@pytest.mark.parametrize(("block_m", "block_n"), [(16, 16), (32, 16), (16, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_far_tiles_take_one_bias_and_equal_the_reference(
+    monkeypatch, lengths, padded_len, block_m, block_n, dtype
+):
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        pytest.skip("Triton's CPU interpreter does not compute in bfloat16; checked on the GPU")
+    # 8 buckets with max_distance 6: offsets 6 or more away share one bias per direction,
+    # so most key tiles lie beyond it.
+    q, k, v, lens, _ = make_inputs(lengths, padded_len, 2, 32, dtype, padded_len + block_m)
+    table = torch.randn(8, 2, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
+    bias = offset_position_bias(table, padded_len, True, 6)
+    empty = torch.empty
+    monkeypatch.setattr(
+        kernel_module.torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan"))
+    )
+    got = kernel_module.padded_biased_attention(
+        q, k, v, lens, bias, padded_len, constant_beyond=6, block_m=block_m, block_n=block_n
+    )
+    # A distance the table is not constant beyond: the scalar tiles then differ, so the
+    # test above would see it if they were not taken.
+    wrong = kernel_module.padded_biased_attention(
+        q, k, v, lens, bias, padded_len, constant_beyond=2, block_m=block_m, block_n=block_n
+    )
+    monkeypatch.undo()
+    want = padded_biased_attention_reference(q, k, v, lens, bias, padded_len)
+    assert not torch.isnan(got).any()
+    scale = want.float().abs().max()
+    assert (got.float() - want.float()).abs().max() / scale < TOLERANCE[dtype]
+    if max(lengths) > 2 * block_n + 8:
+        assert (wrong.float() - want.float()).abs().max() / scale > 10 * TOLERANCE[dtype]
+
+
 def test_reference_equals_the_biased_softmax_and_the_square_bias():
     q, k, v, lens, bias = make_inputs([3, 11], 12, 2, 16, torch.float32, 0)
     want = naive(q, k, v, lens, bias, 12)
@@ -108,6 +142,8 @@ def test_bad_arguments_are_refused():
         call(*(t[..., :12] for t in (q, k, v)), lens, bias, 6)
     with pytest.raises(ValueError, match="one dtype"):
         call(q, k.half(), v.half(), lens, bias, 6)
+    with pytest.raises(ValueError, match="constant_beyond"):
+        call(q, k, v, lens, bias, 6, constant_beyond=0)
 
 
 @pytest.mark.parametrize(

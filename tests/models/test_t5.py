@@ -160,6 +160,28 @@ def test_padded_encoder_equals_the_packed_one(monkeypatch, t5_dirs, variant, fus
     torch.testing.assert_close(kv.v[:, :total], shared.v[:, :total], atol=1e-5, rtol=1e-5)
 
 
+def test_triton_encoder_on_long_prompts_takes_one_bias_beyond_max_distance(monkeypatch, t5_dirs):
+    """Prompts of 150 and 100 tokens (max_distance 24, 64-key tiles): most key tiles lie
+    beyond the distance, where the kernel adds one bias; output as the packed reference."""
+    pytest.importorskip("triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setattr(t5_module, "ENCODER_ATTENTION", "triton")
+    model = load_t5(t5_dirs[("gated-gelu", False)], device, "float32")
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (150, 100)]
+    with torch.inference_mode():
+        encoded, shared, cu = encode(model, prompts)
+        length = 192
+        tokens = torch.zeros(2 * length, dtype=torch.int64)
+        tokens[: cu[-1]] = torch.tensor([t for p in prompts for t in p])
+        lengths = torch.tensor([150, 100])
+        layers, heads, d_kv = model.shared_kv_layout
+        kv = SharedKV.allocate(layers, [2 * length], heads, d_kv, torch.float32, device)
+        padded = model.encode_padded(tokens.to(device), lengths.to(device), length, kv)
+    torch.testing.assert_close(padded[: cu[-1]], encoded, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kv.k[:, : cu[-1]], shared.k[:, : cu[-1]], atol=1e-5, rtol=1e-5)
+
+
 def test_triton_encoder_attention_keeps_sdpa_for_head_sizes_it_lacks(monkeypatch, tmp_path):
     """d_kv 24 is not a Triton kernel size: encode_padded falls back to SDPA, same output."""
     pytest.importorskip("triton")

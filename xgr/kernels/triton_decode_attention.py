@@ -57,7 +57,9 @@ def _attend_prompt_tile(
     token positions (the diagonal tiles of ``triton_prefill_attention``).
     BIAS: add ``bias[key - row]`` to each score (T5's relative position bias by offset,
     ``triton_encoder_attention``; ``bias`` points at offset 0, rows and keys below ``end``
-    read within it). ``rows`` is read only under CAUSAL or BIAS, ``bias`` only under BIAS.
+    read within it); BIAS == 2: add the scalar ``bias`` to every score of the tile (offsets
+    where T5's bias is constant). ``rows`` is read only under CAUSAL or BIAS == 1, ``bias``
+    only under BIAS.
     """
     offs = kv + tl.arange(0, BLOCK_N)
     kv_off = offs[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
@@ -67,7 +69,9 @@ def _attend_prompt_tile(
     else:
         k = tl.load(K + kv_off)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    if BIAS:
+    if BIAS == 2:  # one value for the whole tile: ``bias`` is that float32 scalar
+        s += bias
+    elif BIAS:
         # Keys past the end (masked below) read the last key's bias: within the table.
         cols = tl.minimum(offs, end - 1) if MASK else offs
         s += tl.load(bias + cols[None, :] - rows[:, None]).to(tl.float32)

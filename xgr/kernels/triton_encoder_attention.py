@@ -4,11 +4,12 @@ One program computes BLOCK_M query rows of one head of one prompt with the onlin
 of FlashAttention (Dao et al., 2022), each tile's update being the decode kernel's
 (``triton_decode_attention._attend_prompt_tile`` in its bias mode): the bias of each score
 is read from the head's 2P - 1 per-offset values instead of a (heads, P, P) mask, and keys
-past the prompt's length (read from the device) are masked. The reference, and what the
-engine runs by default, is ``xgr.kernels.encoder_attention.padded_biased_attention_reference``
-(SDPA with the square mask): on an H200 (``benchmarks/attention.py --encoder``) it beat this
-kernel at the OneRec-like shape (173 against 189 us a layer for 8 x 1024 prompts), so the
-kernel runs only where ``xgr.models.t5.ENCODER_ATTENTION`` asks for it.
+past the prompt's length (read from the device) are masked; key tiles beyond T5's
+max_distance from every row of the block add that distance's one bias instead. The torch
+reference is ``xgr.kernels.encoder_attention.padded_biased_attention_reference`` (SDPA with
+the square mask). The engine's encoder graph runs this kernel
+(``xgr.models.t5.ENCODER_ATTENTION``): on an H200 it beat SDPA with the mask at the
+OneRec-like shape once the far tiles took one bias (``benchmarks/attention.py --encoder``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 def _padded_biased_attention_kernel(
     Q, K, V, LENGTHS, BIAS, OUT,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_bh,
-    padded_len, scale_log2,
+    padded_len, far, scale_log2,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     FOR_LOOP: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -51,18 +52,50 @@ def _padded_biased_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     full = length // BLOCK_N * BLOCK_N
+    # Full key tiles whose every offset from this block's rows is <= -far (before
+    # near_start) or >= far (from far_start) take the table's one value there, a scalar;
+    # only the tiles between gather a value per score. far >= P: every tile gathers.
+    i0 = tl.program_id(0) * BLOCK_M
+    near_start = tl.minimum(tl.maximum((i0 - far + 1) // BLOCK_N * BLOCK_N, 0), full)
+    far_start = tl.cdiv(i0 + BLOCK_M - 1 + far, BLOCK_N) * BLOCK_N
+    far_start = tl.maximum(tl.minimum(far_start, full), near_start)
+    in_table = tl.minimum(far, padded_len - 1)
+    before = tl.load(bias - in_table).to(tl.float32)
+    after = tl.load(bias + in_table).to(tl.float32)
     if FOR_LOOP:  # compiled: a for loop is software-pipelined
-        for kv in range(0, full, BLOCK_N):
+        for kv in range(0, near_start, BLOCK_N):
+            m_i, l_i, acc = _attend_prompt_tile(
+                q, K_seq, V_seq, kv, length, head, stride_kt, stride_kh, d, m_i, l_i, acc,
+                scale_log2, BLOCK_N, PRECISION, False, bias_rows, False, 2, before,
+            )  # fmt: skip
+        for kv in range(near_start, far_start, BLOCK_N):
             m_i, l_i, acc = _attend_prompt_tile(
                 q, K_seq, V_seq, kv, length, head, stride_kt, stride_kh, d, m_i, l_i, acc,
                 scale_log2, BLOCK_N, PRECISION, False, bias_rows, False, True, bias,
             )  # fmt: skip
+        for kv in range(far_start, full, BLOCK_N):
+            m_i, l_i, acc = _attend_prompt_tile(
+                q, K_seq, V_seq, kv, length, head, stride_kt, stride_kh, d, m_i, l_i, acc,
+                scale_log2, BLOCK_N, PRECISION, False, bias_rows, False, 2, after,
+            )  # fmt: skip
     else:  # Triton's interpreter cannot take loaded values as range() bounds
         kv = 0
-        while kv < full:
+        while kv < near_start:
+            m_i, l_i, acc = _attend_prompt_tile(
+                q, K_seq, V_seq, kv, length, head, stride_kt, stride_kh, d, m_i, l_i, acc,
+                scale_log2, BLOCK_N, PRECISION, False, bias_rows, False, 2, before,
+            )  # fmt: skip
+            kv += BLOCK_N
+        while kv < far_start:
             m_i, l_i, acc = _attend_prompt_tile(
                 q, K_seq, V_seq, kv, length, head, stride_kt, stride_kh, d, m_i, l_i, acc,
                 scale_log2, BLOCK_N, PRECISION, False, bias_rows, False, True, bias,
+            )  # fmt: skip
+            kv += BLOCK_N
+        while kv < full:
+            m_i, l_i, acc = _attend_prompt_tile(
+                q, K_seq, V_seq, kv, length, head, stride_kt, stride_kh, d, m_i, l_i, acc,
+                scale_log2, BLOCK_N, PRECISION, False, bias_rows, False, 2, after,
             )  # fmt: skip
             kv += BLOCK_N
     if full < length:
@@ -92,12 +125,21 @@ def padded_biased_attention(
     lengths: torch.Tensor,
     bias_by_offset: torch.Tensor,
     padded_len: int,
+    constant_beyond: int | None = None,
     block_m: int = 64,
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> torch.Tensor:
     """``padded_biased_attention_reference`` in one Triton launch (softmax scale 1, as T5).
+
+    T5's buckets give every offset at least ``max_distance`` away one bias per direction
+    (``xgr.layers.relative_position.relative_position_bucket``). Given that distance as
+    ``constant_beyond``, key tiles entirely that far from a query block add one scalar
+    instead of reading a bias per score: for a 1024-token OneRec-like prompt (max_distance
+    128) most tiles; on an H200 a layer's attention took 21.1 us against 24.2 us gathering
+    every score's bias, and SDPA with the square mask 24.7 us
+    (``results/t5-encoder-attention-far-bias-s12-*``).
 
     Args:
         q, k, v: (S * P, num_heads, head_dim) fp16/bf16/fp32, one dtype, last dimension
@@ -107,6 +149,11 @@ def padded_biased_attention(
             a device read would synchronize).
         bias_by_offset: (num_heads, 2 * P - 1) on q's device, last dimension contiguous.
         padded_len: P.
+        constant_beyond: a distance D >= 1 such that ``bias_by_offset`` holds one value
+            for all offsets >= D and one for all offsets <= -D (T5: the config's
+            ``relative_attention_max_distance``), or None: no such distance (every score
+            reads its own). A wrong D gives wrong results: it is not checked (that would read
+            the table on the host).
         block_m, block_n, num_warps, num_stages: launch parameters.
 
     Returns:
@@ -140,6 +187,10 @@ def padded_biased_attention(
         )
     if bias_by_offset.device != q.device:
         raise ValueError(f"bias_by_offset must be on {q.device}, got {bias_by_offset.device}")
+    if constant_beyond is not None and constant_beyond < 1:
+        raise ValueError(f"constant_beyond must be at least 1, got {constant_beyond}")
+    # At P or beyond no key tile is that far from any query: every score reads its bias.
+    far = padded_len if constant_beyond is None else min(constant_beyond, padded_len)
     out = torch.empty(rows, heads, head_dim, dtype=q.dtype, device=q.device)
     if rows == 0:
         return out
@@ -149,7 +200,7 @@ def padded_biased_attention(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1),
         # Scale 1: the bias is added to the scores before the kernel's exp2 scaling, which
         # is then exactly the natural-log softmax of score + bias.
-        bias_by_offset.stride(0), padded_len, LOG2E,
+        bias_by_offset.stride(0), padded_len, far, LOG2E,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, FOR_LOOP=q.is_cuda,
         # float32 stays float32 on tensor cores (no tf32), as the other kernels.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

@@ -36,15 +36,18 @@ from xgr.layers.relative_position import (
 from xgr.models.config import T5Config
 from xgr.models.t5_blocks import EncDecDecodeMetadata, T5Stack, residual_stack
 
-# The attention of ``encode_padded`` (the encoder's CUDA graph): "sdpa", PyTorch SDPA with the
-# square (S, heads, P, P) bias + padding mask (the default), or "triton", xgr's kernel
-# reading the bias per key - query offset (head sizes it lacks keep SDPA). On an H200 SDPA
-# was faster (benchmarks/attention.py --encoder: 173 against 189 us a layer for 8 x 1024
-# OneRec-like prompts; t5_latency.py --encoder-attention: 5.68 against 6.10 ms a request).
-# Set it before an engine captures its graphs (captured graphs keep what they ran); encodes
-# whose square mask would be too large for a graph still run eagerly
-# (``engine.cuda_graph.MAX_ENCODER_MASK_BYTES``), whichever is set.
-ENCODER_ATTENTION = "sdpa"
+# The attention of ``encode_padded`` (the encoder's CUDA graph): "triton" (the default), xgr's
+# kernel reading the bias per key - query offset, one value for the key tiles beyond the
+# config's max_distance (head sizes it lacks keep SDPA), or "sdpa", PyTorch SDPA with the
+# square (S, heads, P, P) bias + padding mask. On an H200 (benchmarks/attention.py --encoder,
+# results/attention-encoder-s12-*) the kernel took 23.9 against SDPA's 25.5 us a layer for one
+# 1024-token OneRec-like prompt and 150 against 174 us for eight, and needs no mask (SDPA's
+# took 89 and 405 us to build per encode); SDPA was ahead by 1 us a layer only for eight
+# 256-token prompts, less than the mask it builds. Set it before an engine captures its
+# graphs (captured graphs keep what they ran); encodes whose square mask would be too large
+# for a graph still run eagerly (``engine.cuda_graph.MAX_ENCODER_MASK_BYTES``), whichever is
+# set.
+ENCODER_ATTENTION = "triton"
 
 # The small-rows kernel's name of each feed-forward activation (``T5Config.dense_act_fn``).
 _SMALL_ROWS_ACTIVATIONS = {"relu": "relu", "gelu_new": "gelu_tanh"}
@@ -196,7 +199,10 @@ class T5Seq2SeqLM(nn.Module):
         )
         if ENCODER_ATTENTION == "triton" and self._triton_encoder_attention_fits(device):
             encoded = self._run_encoder(
-                x, lambda attn, h: attn.bidirectional_by_offset(h, lengths, bias, padded_len)
+                x,
+                lambda attn, h: attn.bidirectional_by_offset(
+                    h, lengths, bias, padded_len, max_distance
+                ),
             )
         else:
             build_mask = square_mask

@@ -148,7 +148,12 @@ class T5Attention(nn.Module):
         return self.project_out(out.transpose(1, 2).reshape(x.shape[0], self.num_heads, -1))
 
     def bidirectional_by_offset(
-        self, x: torch.Tensor, lengths: torch.Tensor, bias_by_offset: torch.Tensor, length: int
+        self,
+        x: torch.Tensor,
+        lengths: torch.Tensor,
+        bias_by_offset: torch.Tensor,
+        length: int,
+        max_distance: int | None = None,
     ) -> torch.Tensor:
         """``bidirectional_padded`` by xgr's Triton kernel, which reads the position bias per
         key - query offset and masks each prompt's padding keys itself (no square mask).
@@ -158,6 +163,9 @@ class T5Attention(nn.Module):
             lengths: (S,) int64 prompt lengths on the device, each in [1, P].
             bias_by_offset: (num_heads, 2 * P - 1) position bias (``offset_position_bias``).
             length: P.
+            max_distance: the config's ``relative_attention_max_distance`` when the bias
+                came from T5's buckets (offsets that far share one bias: the kernel's
+                ``constant_beyond``), else None.
 
         Returns:
             (S * P, d_model); rows of padding queries hold values never read.
@@ -165,7 +173,8 @@ class T5Attention(nn.Module):
         from xgr.kernels.triton_encoder_attention import padded_biased_attention
 
         q, k, v = self.project_qkv(x)
-        return self.project_out(padded_biased_attention(q, k, v, lengths, bias_by_offset, length))
+        out = padded_biased_attention(q, k, v, lengths, bias_by_offset, length, max_distance)
+        return self.project_out(out)
 
     def over_beam(
         self, x: torch.Tensor, layer: int, meta: EncDecDecodeMetadata, bias: torch.Tensor
