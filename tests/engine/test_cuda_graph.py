@@ -24,6 +24,7 @@ from xgr.engine.cuda_graph import (
 from xgr.engine.generate import _launch
 from xgr.engine.warm_up import warm_up_batches
 from xgr.models import CausalLM
+from xgr.models import t5 as t5_module
 from xgr.models.config import DecoderConfig, T5Config
 from xgr.models.t5 import T5Seq2SeqLM
 
@@ -112,7 +113,8 @@ def test_encoder_bucket_values(max_len, bucket):
     assert encoder_bucket(max_len) == bucket
 
 
-def test_encoder_keys_pad_slots_to_powers_of_two_and_respect_the_mask_limit():
+def test_encoder_keys_pad_slots_to_powers_of_two_and_respect_the_mask_limit(monkeypatch):
+    monkeypatch.setattr(t5_module, "ENCODER_ATTENTION", "sdpa")  # the one that builds a mask
     graphs = CudaGraphs(tiny_t5(torch.bfloat16), max_requests=16)
     assert graphs.prefill_key([100]) == ("encode", 1, 128, 128)
     # slots: the next power of two; P: the longest prompt's bucket; float32 too
@@ -125,6 +127,20 @@ def test_encoder_keys_pad_slots_to_powers_of_two_and_respect_the_mask_limit():
     assert graphs.prefill_key([10] * 9 + [2816]) == ("encode", 16, 16 * 2816, 2816)
     assert graphs.prefill_key([10] * 9 + [2817]) is None
     assert graphs.prefill_key([2817]) == ("encode", 1, 3072, 3072)  # one slot: 1/16 of it
+
+
+def test_encoder_keys_skip_the_mask_limit_where_no_mask_is_built(monkeypatch):
+    """The Triton encoder attention (on a CUDA device) builds no square mask: only the
+    token limit sends an encode to eager; under SDPA the mask limit still does."""
+    model = tiny_t5(torch.bfloat16)
+    monkeypatch.setattr(T5Seq2SeqLM, "_triton_encoder_attention_fits", lambda self, device: True)
+    graphs = CudaGraphs(model, max_requests=16)
+    assert not model.encoder_builds_mask(torch.device("meta"))
+    assert graphs.prefill_key([10] * 9 + [2817]) == ("encode", 16, 16 * 3072, 3072)
+    assert graphs.prefill_key([10] * 9 + [4097]) is None  # 16 x 4160 tokens: above 65,536
+    monkeypatch.setattr(t5_module, "ENCODER_ATTENTION", "sdpa")
+    assert model.encoder_builds_mask(torch.device("meta"))
+    assert graphs.prefill_key([10] * 9 + [2817]) is None
 
 
 @pytest.mark.parametrize(("padding", "stand_ins"), [(1, 0), (70, 62), (5000, 3), (300, 299)])

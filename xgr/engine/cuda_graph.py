@@ -45,8 +45,9 @@ logger = logging.getLogger(__name__)
 MIN_POOL_TOKENS = 4096
 PREFILL_BUCKET = 256
 BUCKETS_PER_OCTAVE = 8
-# An encoder graph pads its prompts to one length P; its attention mask (S x heads x P x P,
-# model dtype) is the graph's largest buffer. Encodes whose mask would pass this run eagerly.
+# An encoder graph pads its prompts to one length P; under SDPA its attention mask (S x heads
+# x P x P, model dtype) is the graph's largest buffer. Encodes whose mask would pass this run
+# eagerly (the Triton encoder attention, the default, builds no mask).
 MAX_ENCODER_MASK_BYTES = 1 << 30
 ENCODER_BUCKET = 64
 
@@ -336,12 +337,16 @@ class CudaGraphs:
 
     def _encode_key(self, num: int, max_len: int) -> tuple | None:
         """("encode", slots, slots * P, P): a power-of-two number of prompt slots, each
-        padded to P = ``encoder_bucket`` tokens; None (eager) past the token or mask limits."""
+        padded to P = ``encoder_bucket`` tokens; None (eager) past the token limit, or past
+        the mask limit where the encoder builds SDPA's square mask."""
         slots = min(_next_power_of_two(num), self.max_requests)
         length = encoder_bucket(max_len)
         weight = self.model.lm_head.weight
         mask_bytes = slots * self.model.config.num_heads * length**2 * weight.element_size()
-        if slots * length > self.max_prefill_tokens or mask_bytes > MAX_ENCODER_MASK_BYTES:
+        too_large = mask_bytes > MAX_ENCODER_MASK_BYTES and self.model.encoder_builds_mask(
+            weight.device
+        )
+        if slots * length > self.max_prefill_tokens or too_large:
             return None
         return "encode", slots, slots * length, length
 

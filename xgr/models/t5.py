@@ -44,9 +44,8 @@ from xgr.models.t5_blocks import EncDecDecodeMetadata, T5Stack, residual_stack
 # 1024-token OneRec-like prompt and 150 against 174 us for eight, and needs no mask (SDPA's
 # took 89 and 405 us to build per encode); SDPA was ahead by 1 us a layer only for eight
 # 256-token prompts, less than the mask it builds. Set it before an engine captures its
-# graphs (captured graphs keep what they ran); encodes whose square mask would be too large
-# for a graph still run eagerly (``engine.cuda_graph.MAX_ENCODER_MASK_BYTES``), whichever is
-# set.
+# graphs (captured graphs keep what they ran). Under SDPA, encodes whose square mask would be
+# too large for a graph run eagerly (``engine.cuda_graph.MAX_ENCODER_MASK_BYTES``).
 ENCODER_ATTENTION = "triton"
 
 # The small-rows kernel's name of each feed-forward activation (``T5Config.dense_act_fn``).
@@ -197,7 +196,7 @@ class T5Seq2SeqLM(nn.Module):
             self.encoder.position_bias_table,
             lambda table: offset_position_bias(table, padded_len, True, max_distance),
         )
-        if ENCODER_ATTENTION == "triton" and self._triton_encoder_attention_fits(device):
+        if not self.encoder_builds_mask(device):
             encoded = self._run_encoder(
                 x,
                 lambda attn, h: attn.bidirectional_by_offset(
@@ -217,6 +216,12 @@ class T5Seq2SeqLM(nn.Module):
         packed = encoded[slot * padded_len + offset]
         self._write_cross_kv(packed, cross_kv)
         return packed
+
+    def encoder_builds_mask(self, device: torch.device) -> bool:
+        """Whether ``encode_padded`` on ``device`` builds the (S, heads, P, P) square mask of
+        SDPA (``ENCODER_ATTENTION`` "sdpa", or a head size the Triton kernel lacks) rather
+        than running the Triton kernel, which needs none."""
+        return ENCODER_ATTENTION != "triton" or not self._triton_encoder_attention_fits(device)
 
     def _triton_encoder_attention_fits(self, device: torch.device) -> bool:
         """Whether the Triton encoder kernel runs here (else SDPA): this model's head size,
