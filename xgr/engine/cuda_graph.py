@@ -310,7 +310,8 @@ class CudaGraphs:
         tokens, lengths = static
         tokens[: inputs.num_tokens].copy_(inputs.tokens)
         lengths[: inputs.num_requests].copy_(inputs.prompt_lens)
-        lengths[inputs.num_requests :] = 1  # absent requests: one token each
+        if inputs.num_requests < lengths.shape[0]:  # (an empty fill still costs a launch)
+            lengths[inputs.num_requests :] = 1  # absent requests: one token each
 
     def needs_capture(self, prompt_lens: list[int], beam_width: int, top_k: int) -> bool:
         """Whether running this batch would capture a graph or grow the KV pool."""

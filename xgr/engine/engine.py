@@ -482,12 +482,12 @@ class Engine:
     ) -> RecommendResult:
         result = RecommendResult()
         taken = 0
-        for sid, score in zip(sid_index.tolist(), scores.tolist(), strict=True):
+        for sid, score in _leading_beams(sid_index, scores, num_results):
             if score == float("-inf") or (
                 taken == num_results and len(result.semantic_ids) == num_results
             ):
                 break  # the rest of the beams (hundreds) would cost host time for nothing
-            codes = tuple(int(c) for c in self.catalog.semantic_ids[sid])
+            codes = tuple(self.catalog.semantic_ids[sid].tolist())
             if len(result.semantic_ids) < num_results:
                 result.semantic_ids.append((codes, score))
             if taken == num_results:
@@ -497,6 +497,17 @@ class Engine:
             taken += bool(items)
         result.complete = taken == num_results
         return result
+
+
+def _leading_beams(sid_index: np.ndarray, scores: np.ndarray, num_results: int):
+    """(semantic-ID row, score) of the beams best first, as Python ints and floats,
+    converted in growing blocks: a result usually needs the first ``num_results`` of
+    hundreds of beams (exclusions and collisions may need more)."""
+    start, size = 0, 2 * num_results + 8
+    while start < len(sid_index):
+        stop = start + size
+        yield from zip(sid_index[start:stop].tolist(), scores[start:stop].tolist(), strict=True)
+        start, size = stop, 2 * size
 
 
 def _integer_tokens(prompt: Any) -> np.ndarray:

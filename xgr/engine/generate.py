@@ -109,20 +109,25 @@ def prepare_inputs(prompts: Sequence[Sequence[int]], device: torch.device) -> Ba
     cu = np.zeros(len(prompts) + 1, dtype=np.int64)
     np.cumsum(lens, out=cu[1:])
     total, num = int(cu[-1]), len(prompts)
+    # One int64 buffer: tokens, positions, last indices, lengths, offsets, then the offsets
+    # again as int32 (the packed attention launch's) in the last int64 slots, so that one
+    # transfer brings everything and no cast runs on the device.
+    sizes = [total, total, num, num, num + 1, (num + 2) // 2]
+    ends = np.cumsum(sizes).tolist()
     # On CUDA the buffer is pinned from the start (no staging copy), so the transfer below
     # is queued without waiting; the caching host allocator keeps it until the copy is done.
-    packed = torch.empty(
-        2 * total + 3 * num + 1, dtype=torch.int64, pin_memory=device.type == "cuda"
-    )
+    packed = torch.empty(ends[-1], dtype=torch.int64, pin_memory=device.type == "cuda")
     host = packed.numpy()
     host[:total] = np.concatenate([np.asarray(p, dtype=np.int64) for p in prompts])
-    host[total : 2 * total] = np.arange(total) - np.repeat(cu[:-1], lens)
-    host[2 * total : 2 * total + num] = cu[1:] - 1
-    host[2 * total + num : 2 * total + 2 * num] = lens
-    host[2 * total + 2 * num :] = cu
+    host[total : ends[1]] = np.arange(total) - np.repeat(cu[:-1], lens)
+    host[ends[1] : ends[2]] = cu[1:] - 1
+    host[ends[2] : ends[3]] = lens
+    host[ends[3] : ends[4]] = cu
+    host[ends[4] :].view(np.int32)[: num + 1] = cu
     packed = packed.to(device, non_blocking=True)
-    tokens, positions, last, prompt_lens, cu_dev = torch.split(
-        packed, [total, total, num, num, num + 1]
+    starts = [0, *ends]
+    tokens, positions, last, prompt_lens, cu_dev, cu32 = (
+        packed[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)
     )
     return BatchInputs(
         tokens,
@@ -130,7 +135,7 @@ def prepare_inputs(prompts: Sequence[Sequence[int]], device: torch.device) -> Ba
         last,
         prompt_lens,
         cu_dev,
-        cu_dev.to(torch.int32),
+        cu32.view(torch.int32)[: num + 1],
         cu.tolist(),
         int(lens.max()),
     )

@@ -125,6 +125,7 @@ def padded_biased_attention(
     lengths: torch.Tensor,
     bias_by_offset: torch.Tensor,
     padded_len: int,
+    *,
     constant_beyond: int | None = None,
     block_m: int = 64,
     block_n: int = 64,

@@ -173,7 +173,9 @@ class T5Attention(nn.Module):
         from xgr.kernels.triton_encoder_attention import padded_biased_attention
 
         q, k, v = self.project_qkv(x)
-        out = padded_biased_attention(q, k, v, lengths, bias_by_offset, length, max_distance)
+        out = padded_biased_attention(
+            q, k, v, lengths, bias_by_offset, length, constant_beyond=max_distance
+        )
         return self.project_out(out)
 
     def over_beam(
