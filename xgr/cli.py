@@ -278,7 +278,13 @@ def main(verbose: bool) -> None:
 )
 @click.option("--beam-width", default=64, show_default=True, help="Beams kept per decode step.")
 @click.option("--top-k", default=None, type=int, help="Candidates per beam (default beam width).")
-@click.option("--num-results", default=10, show_default=True, help="Items to print.")
+@click.option(
+    "--num-results",
+    default=10,
+    show_default=True,
+    help="Semantic IDs to return, best first; each brings all its items, so semantic-ID "
+    "collisions print more items than this.",
+)
 @click.option("--server", default=None, help="Ask a running `xgr serve` at this URL instead.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def recommend(
