@@ -138,9 +138,9 @@ def padded_biased_attention(
     (``xgr.layers.relative_position.relative_position_bucket``). Given that distance as
     ``constant_beyond``, key tiles entirely that far from a query block add one scalar
     instead of reading a bias per score: for a 1024-token OneRec-like prompt (max_distance
-    128) most tiles; on an H200 a layer's attention took 21.1 us against 24.2 us gathering
-    every score's bias, and SDPA with the square mask 24.7 us
-    (``results/t5-encoder-attention-far-bias-s12-*``).
+    128) most tiles. On an H200 (``benchmarks/attention.py --encoder``,
+    ``results/attention-encoder-s12-*``) a layer's attention took 23.9 us this way against
+    28.2 us gathering every score's bias and 25.5 us for SDPA with the square mask.
 
     Args:
         q, k, v: (S * P, num_heads, head_dim) fp16/bf16/fp32, one dtype, last dimension
