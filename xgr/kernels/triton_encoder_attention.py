@@ -24,6 +24,31 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 
 
 @triton.jit
+def _attend_tiles(
+    q, K_seq, V_seq, lo, hi, length, head, stride_kt, stride_kh, d, m_i, l_i, acc,
+    scale_log2, bias_rows, bias, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BIAS: tl.constexpr, FOR_LOOP: tl.constexpr,
+):  # fmt: skip
+    """The full key tiles lo, lo + BLOCK_N, ... below hi, each by ``_attend_prompt_tile``
+    in bias mode BIAS (``bias`` the table or the tiles' one value)."""
+    if FOR_LOOP:  # compiled: a for loop is software-pipelined
+        for kv in range(lo, hi, BLOCK_N):
+            m_i, l_i, acc = _attend_prompt_tile(
+                q, K_seq, V_seq, kv, length, head, stride_kt, stride_kh, d, m_i, l_i, acc,
+                scale_log2, BLOCK_N, PRECISION, False, bias_rows, False, BIAS, bias,
+            )  # fmt: skip
+    else:  # Triton's interpreter cannot take loaded values as range() bounds
+        kv = lo
+        while kv < hi:
+            m_i, l_i, acc = _attend_prompt_tile(
+                q, K_seq, V_seq, kv, length, head, stride_kt, stride_kh, d, m_i, l_i, acc,
+                scale_log2, BLOCK_N, PRECISION, False, bias_rows, False, BIAS, bias,
+            )  # fmt: skip
+            kv += BLOCK_N
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _padded_biased_attention_kernel(
     Q, K, V, LENGTHS, BIAS, OUT,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_bh,
@@ -62,42 +87,18 @@ def _padded_biased_attention_kernel(
     in_table = tl.minimum(far, padded_len - 1)
     before = tl.load(bias - in_table).to(tl.float32)
     after = tl.load(bias + in_table).to(tl.float32)
-    if FOR_LOOP:  # compiled: a for loop is software-pipelined
-        for kv in range(0, near_start, BLOCK_N):
-            m_i, l_i, acc = _attend_prompt_tile(
-                q, K_seq, V_seq, kv, length, head, stride_kt, stride_kh, d, m_i, l_i, acc,
-                scale_log2, BLOCK_N, PRECISION, False, bias_rows, False, 2, before,
-            )  # fmt: skip
-        for kv in range(near_start, far_start, BLOCK_N):
-            m_i, l_i, acc = _attend_prompt_tile(
-                q, K_seq, V_seq, kv, length, head, stride_kt, stride_kh, d, m_i, l_i, acc,
-                scale_log2, BLOCK_N, PRECISION, False, bias_rows, False, True, bias,
-            )  # fmt: skip
-        for kv in range(far_start, full, BLOCK_N):
-            m_i, l_i, acc = _attend_prompt_tile(
-                q, K_seq, V_seq, kv, length, head, stride_kt, stride_kh, d, m_i, l_i, acc,
-                scale_log2, BLOCK_N, PRECISION, False, bias_rows, False, 2, after,
-            )  # fmt: skip
-    else:  # Triton's interpreter cannot take loaded values as range() bounds
-        kv = 0
-        while kv < near_start:
-            m_i, l_i, acc = _attend_prompt_tile(
-                q, K_seq, V_seq, kv, length, head, stride_kt, stride_kh, d, m_i, l_i, acc,
-                scale_log2, BLOCK_N, PRECISION, False, bias_rows, False, 2, before,
-            )  # fmt: skip
-            kv += BLOCK_N
-        while kv < far_start:
-            m_i, l_i, acc = _attend_prompt_tile(
-                q, K_seq, V_seq, kv, length, head, stride_kt, stride_kh, d, m_i, l_i, acc,
-                scale_log2, BLOCK_N, PRECISION, False, bias_rows, False, True, bias,
-            )  # fmt: skip
-            kv += BLOCK_N
-        while kv < full:
-            m_i, l_i, acc = _attend_prompt_tile(
-                q, K_seq, V_seq, kv, length, head, stride_kt, stride_kh, d, m_i, l_i, acc,
-                scale_log2, BLOCK_N, PRECISION, False, bias_rows, False, 2, after,
-            )  # fmt: skip
-            kv += BLOCK_N
+    m_i, l_i, acc = _attend_tiles(
+        q, K_seq, V_seq, 0, near_start, length, head, stride_kt, stride_kh, d, m_i, l_i, acc,
+        scale_log2, bias_rows, before, BLOCK_N, PRECISION, 2, FOR_LOOP,
+    )  # fmt: skip
+    m_i, l_i, acc = _attend_tiles(
+        q, K_seq, V_seq, near_start, far_start, length, head, stride_kt, stride_kh, d, m_i,
+        l_i, acc, scale_log2, bias_rows, bias, BLOCK_N, PRECISION, True, FOR_LOOP,
+    )  # fmt: skip
+    m_i, l_i, acc = _attend_tiles(
+        q, K_seq, V_seq, far_start, full, length, head, stride_kt, stride_kh, d, m_i, l_i,
+        acc, scale_log2, bias_rows, after, BLOCK_N, PRECISION, 2, FOR_LOOP,
+    )  # fmt: skip
     if full < length:
         m_i, l_i, acc = _attend_prompt_tile(
             q, K_seq, V_seq, full, length, head, stride_kt, stride_kh, d, m_i, l_i, acc,
