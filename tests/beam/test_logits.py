@@ -101,3 +101,19 @@ def test_bfloat16_code_log_probs_stay_below_zero_when_one_code_dominates():
     assert (got <= 0).all()
     exact = torch.log_softmax(h.bfloat16().float() @ weight.bfloat16().float().T, -1)[:, 10:13]
     torch.testing.assert_close(got, exact, atol=0.1, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the model-dtype weight path is CUDA's")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("full_vocab", [True, False])
+def test_model_dtype_level_weights_give_the_float32_path_scores(dtype, full_vocab):
+    weight, h = (t.cuda() for t in random_head(vocab=3000, hidden=256))
+    weight, h = weight.to(dtype), (h * 0.3).to(dtype)
+    sid_token_ids = torch.randint(0, 3000, (1, 256), generator=torch.Generator().manual_seed(4))
+    levels32 = level_head_weights(weight, sid_token_ids.cuda())
+    full = weight if full_vocab else None
+    expected = code_log_probs(h, levels32[0], full)
+    got = code_log_probs(h, levels32[0].to(dtype), full)
+    assert got.dtype == torch.float32
+    # Same bf16/fp16 products, float32 sums in another order.
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)

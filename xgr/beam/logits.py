@@ -156,7 +156,9 @@ def code_log_probs(
 
     Args:
         hidden: (N, hidden_size) final hidden states, model dtype.
-        level_weight: (codebook_size, hidden_size) float32 LM-head rows of the level's codes.
+        level_weight: (codebook_size, hidden_size) LM-head rows of the level's codes:
+            float32, or (CUDA only) the model dtype, whose product a tensor-core GEMM
+            accumulates and returns in float32 (``DecodeSpec.build`` stores them so).
         lm_head_weight: (vocab_size, hidden_size) full LM head, to normalize over the whole
             vocabulary (exact next-token log-probabilities); None to normalize over the
             level's codes only (for models whose vocabulary is only semantic-ID codes).
@@ -168,7 +170,13 @@ def code_log_probs(
         full-vocabulary normalizer takes the codes' float32 logits in place of their rounded
         ones (the rest of the vocabulary stays rounded), so no log-probability exceeds 0.
     """
-    logits = hidden.float() @ level_weight.T
+    if level_weight.dtype == torch.float32:
+        logits = hidden.float() @ level_weight.T
+    else:
+        # The same float32 logits (bf16 x bf16 products are exact in float32, the sums
+        # float32 either way) from one tensor-core GEMM, where the float32 copy of the
+        # hidden rows and cuBLAS's float32 GEMM took ~15 us a level (H200, 256-512 rows).
+        logits = torch.mm(hidden, level_weight.T, out_dtype=torch.float32)
     if hidden.is_cuda:  # one Triton pass after the GEMMs, where torch takes ~35 kernels
         from xgr.kernels.triton_code_log_probs import code_log_probs_from_logits
 

@@ -138,7 +138,8 @@ def constrained_beam_step_triton(
     One kernel scores every beam's candidates (trie lookup, gather, mask), the request's
     pool is selected as ``POOL_TOPK`` says (Triton's bitonic top-k in chunks,
     ``xgr.kernels.triton_topk.pool_topk``, for pools under 64 x the beams kept, else
-    ``torch.topk``), one kernel resolves the winners' parents, codes and trie nodes. Same
+    ``torch.topk`` unsorted, its winners then ordered by ``pool_topk``), one kernel resolves
+    the winners' parents, codes and trie nodes. Same
     arguments and result as
     ``constrained_beam_step`` with ``level_token_ids=None`` (the order among exactly equal
     scores is the top-k's: the lower pool position first for the Triton one, unspecified for
@@ -173,7 +174,14 @@ def constrained_beam_step_triton(
     if use_triton:
         scores, flat = pool_topk(pool, keep)
     else:
-        scores, flat = pool.topk(keep, dim=1)
+        # The winners unsorted, then ordered by the bitonic kernel: torch's own ordering (a
+        # radix sort of the winners) took 21 us of the dense level's ~60 at 512 (H200
+        # kernel trace, results/kernel-trace-*-s12-*). The dense level's selection went
+        # from 73.4 to 63.3 us at beam 512 and from 65.9 to 54.6 at 256 (one request;
+        # benchmarks/selection.py, results/selection-s13-*).
+        scores, flat = pool.topk(keep, dim=1, sorted=False)
+        scores, order = pool_topk(scores, keep)
+        flat = flat.gather(1, order)
     new_nodes, codes, parents = gather_selected(flat, slot, scores, nodes, level, k)
     return _pad_beams(BeamState(scores, new_nodes, codes, parents), beam_width)
 

@@ -26,8 +26,10 @@ class DecodeSpec:
         model: the decoder-only LM or the T5 encoder-decoder.
         trie: the catalog's valid-path trie, on the model's device.
         sid_token_ids: (num_levels, codebook_size) int64 vocabulary id of each code.
-        level_weights: (num_levels, codebook_size, hidden) float32 LM-head rows of each
-            level's codes.
+        level_weights: (num_levels, codebook_size, hidden) LM-head rows of each level's
+            codes: float32, or the model dtype for a float16/bfloat16 model on CUDA (the
+            same values; ``code_log_probs`` then takes a tensor-core GEMM with float32
+            output).
         code_mask: (num_levels, codebook_size) bool, True for the codes that are distinct
             in-vocabulary tokens: the set each level's scores are normalized over when
             ``full_vocab`` is False, and whose float32 logits replace their rounded ones in
@@ -54,7 +56,10 @@ class DecodeSpec:
         full_vocab: bool = True,
         attention_backend: str = "torch",
     ) -> DecodeSpec:
-        weights = level_head_weights(model.lm_head.weight.detach(), sid_token_ids)
+        head = model.lm_head.weight.detach()
+        weights = level_head_weights(head, sid_token_ids)
+        if head.is_cuda and head.dtype != torch.float32:
+            weights = weights.to(head.dtype)  # exact: the rows were in this dtype
         mask = distinct_code_mask(sid_token_ids, model.config.vocab_size)
         return cls(model, trie, sid_token_ids, weights, mask, full_vocab, attention_backend)
 

@@ -641,8 +641,7 @@ class PendingRecommendation:
         return self._results
 
     def _device_done(self) -> bool:
-        events = self._pending.events
-        return events is None or events[-1].query()
+        return self._pending.done()
 
     def _release(self) -> None:
         """Give the batch's lane back (once)."""

@@ -26,9 +26,12 @@ replay CUDA graphs per batch shape (``xgr.engine.cuda_graph``).
 
 from __future__ import annotations
 
+import functools
+import itertools
+import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -60,9 +63,11 @@ class GenerationOutput:
     decode_ms: float = 0.0
 
 
-@dataclass
 class BatchInputs:
     """A batch's inputs on the device, made from one host-to-device copy.
+
+    The device tensors are views of that copy, each made when first read (a view costs
+    ~1.5 us of host time, and an encoder-decoder batch reads three of the six).
 
     Attributes:
         tokens: (T,) int64 packed prompt tokens.
@@ -75,14 +80,11 @@ class BatchInputs:
         max_seqlen: the longest prompt (tokens).
     """
 
-    tokens: torch.Tensor
-    positions: torch.Tensor
-    last_index: torch.Tensor
-    prompt_lens: torch.Tensor
-    cu_seqlens: torch.Tensor
-    cu_seqlens_int32: torch.Tensor
-    cu_seqlens_host: list[int]
-    max_seqlen: int
+    def __init__(self, packed: torch.Tensor, cu_seqlens_host: list[int], max_seqlen: int):
+        """``packed``: the device copy of ``prepare_inputs``' int64 buffer."""
+        self._packed = packed
+        self.cu_seqlens_host = cu_seqlens_host
+        self.max_seqlen = max_seqlen
 
     @property
     def num_requests(self) -> int:
@@ -97,6 +99,34 @@ class BatchInputs:
         cu = self.cu_seqlens_host
         return [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
 
+    @functools.cached_property
+    def tokens(self) -> torch.Tensor:
+        return self._packed[: self.num_tokens]
+
+    @functools.cached_property
+    def positions(self) -> torch.Tensor:
+        return self._packed[self.num_tokens : 2 * self.num_tokens]
+
+    @functools.cached_property
+    def last_index(self) -> torch.Tensor:
+        start = 2 * self.num_tokens
+        return self._packed[start : start + self.num_requests]
+
+    @functools.cached_property
+    def prompt_lens(self) -> torch.Tensor:
+        start = 2 * self.num_tokens + self.num_requests
+        return self._packed[start : start + self.num_requests]
+
+    @functools.cached_property
+    def cu_seqlens(self) -> torch.Tensor:
+        start = 2 * self.num_tokens + 2 * self.num_requests
+        return self._packed[start : start + self.num_requests + 1]
+
+    @functools.cached_property
+    def cu_seqlens_int32(self) -> torch.Tensor:
+        start = 2 * self.num_tokens + 3 * self.num_requests + 1
+        return self._packed[start:].view(torch.int32)[: self.num_requests + 1]
+
 
 def prepare_inputs(prompts: Sequence[Sequence[int]], device: torch.device) -> BatchInputs:
     """Pack R non-empty token sequences (lists, or int64 arrays, which are not converted
@@ -105,40 +135,32 @@ def prepare_inputs(prompts: Sequence[Sequence[int]], device: torch.device) -> Ba
     Returns:
         The batch's inputs; on CUDA the copy is from pinned memory and does not block.
     """
-    lens = np.array([len(p) for p in prompts], dtype=np.int64)
-    cu = np.zeros(len(prompts) + 1, dtype=np.int64)
-    np.cumsum(lens, out=cu[1:])
-    total, num = int(cu[-1]), len(prompts)
+    num = len(prompts)
+    lens = [len(p) for p in prompts]
+    cu = [0, *itertools.accumulate(lens)]
+    total = cu[-1]
     # One int64 buffer: tokens, positions, last indices, lengths, offsets, then the offsets
     # again as int32 (the packed attention launch's) in the last int64 slots, so that one
-    # transfer brings everything and no cast runs on the device.
-    sizes = [total, total, num, num, num + 1, (num + 2) // 2]
-    ends = np.cumsum(sizes).tolist()
+    # transfer brings everything and no cast runs on the device. Offsets are plain ints: a
+    # NumPy call per value costs more host time than the values (a few us each).
+    ends = [total, 2 * total, 2 * total + num, 2 * total + 2 * num, 2 * total + 3 * num + 1]
+    ends.append(ends[-1] + (num + 2) // 2)
     # On CUDA the buffer is pinned from the start (no staging copy), so the transfer below
     # is queued without waiting; the caching host allocator keeps it until the copy is done.
     packed = torch.empty(ends[-1], dtype=torch.int64, pin_memory=device.type == "cuda")
     host = packed.numpy()
-    host[:total] = np.concatenate([np.asarray(p, dtype=np.int64) for p in prompts])
-    host[total : ends[1]] = np.arange(total) - np.repeat(cu[:-1], lens)
-    host[ends[1] : ends[2]] = cu[1:] - 1
+    offsets = np.array(cu, dtype=np.int64)
+    if num == 1:
+        host[:total] = prompts[0]
+        host[total : ends[1]] = np.arange(total)
+    else:
+        np.concatenate([np.asarray(p, dtype=np.int64) for p in prompts], out=host[:total])
+        host[total : ends[1]] = np.arange(total) - np.repeat(offsets[:-1], lens)
+    host[ends[1] : ends[2]] = offsets[1:] - 1
     host[ends[2] : ends[3]] = lens
-    host[ends[3] : ends[4]] = cu
-    host[ends[4] :].view(np.int32)[: num + 1] = cu
-    packed = packed.to(device, non_blocking=True)
-    starts = [0, *ends]
-    tokens, positions, last, prompt_lens, cu_dev, cu32 = (
-        packed[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)
-    )
-    return BatchInputs(
-        tokens,
-        positions,
-        last,
-        prompt_lens,
-        cu_dev,
-        cu32.view(torch.int32)[: num + 1],
-        cu.tolist(),
-        int(lens.max()),
-    )
+    host[ends[3] : ends[4]] = offsets
+    host[ends[4] :].view(np.int32)[: num + 1] = offsets
+    return BatchInputs(packed.to(device, non_blocking=True), cu, max(lens))
 
 
 def prefill(model: CausalLM, inputs: BatchInputs, shared: SharedKV) -> torch.Tensor:
@@ -179,19 +201,63 @@ class PendingGeneration:
     scores: torch.Tensor
     events: list | None = None  # CUDA: start, prefill done, decode done, results on the host
     host_ms: tuple[float, float] = (0.0, 0.0)
+    device_index: int = 0  # CUDA: the device the events were recorded on
+    _output: GenerationOutput | None = field(default=None, repr=False)
 
     def wait(self) -> GenerationOutput:
-        """Block until the results are on the host (device time runs meanwhile)."""
+        """Block until the results are on the host (device time runs meanwhile); later
+        calls return the same output. On CUDA the batch's events then go back to the pool
+        (``_TimingEvents``)."""
+        if self._output is not None:
+            return self._output
         if self.events is None:
-            return GenerationOutput(self.sid_index, self.scores, *self.host_ms)
+            self._output = GenerationOutput(self.sid_index, self.scores, *self.host_ms)
+            return self._output
         self.events[3].synchronize()
         start, prefilled, decoded = self.events[:3]
-        return GenerationOutput(
+        self._output = GenerationOutput(
             self.sid_index,
             self.scores,
             start.elapsed_time(prefilled),
             prefilled.elapsed_time(decoded),
         )
+        _TIMING_EVENTS.give(self.events, self.device_index)
+        return self._output
+
+    def done(self) -> bool:
+        """Whether the device has finished the batch (its results are on the host)."""
+        return self._output is not None or self.events is None or self.events[-1].query()
+
+
+class _TimingEvents:
+    """The four CUDA events of a batch, reused once a batch's timings are read: making a
+    CUDA event (at its first record) took ~10 us of host time on the H200 machine, four a
+    batch, against ~3 us to record one (``results/host-launch-ops-s13-*``). Keyed by
+    device, since an event stays on the device it was first recorded on."""
+
+    MAX_FREE = 64  # sets kept per device: more than the batches ever in flight at once
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[list]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, device_index: int) -> list:
+        """Four events: start, prefill done, decode done (timing), results on the host."""
+        with self._lock:
+            free = self._free.get(device_index)
+            if free:
+                return free.pop()
+        return [torch.cuda.Event(enable_timing=True) for _ in range(3)] + [torch.cuda.Event()]
+
+    def give(self, events: list, device_index: int) -> None:
+        """Return a batch's events once its timings are read; they are recorded again."""
+        with self._lock:
+            free = self._free.setdefault(device_index, [])
+            if len(free) < self.MAX_FREE:
+                free.append(events)
+
+
+_TIMING_EVENTS = _TimingEvents()
 
 
 def generate_semantic_ids(
@@ -243,7 +309,8 @@ def _launch(spec, prompts, beam_width, top_k, graphs) -> PendingGeneration:
     device = spec.sid_token_ids.device
     cuda = device.type == "cuda"
     if cuda:
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] + [torch.cuda.Event()]
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        events = _TIMING_EVENTS.take(index)
         events[0].record()
     start = time.perf_counter()
     inputs = prepare_inputs(prompts, device)
@@ -281,4 +348,4 @@ def _launch(spec, prompts, beam_width, top_k, graphs) -> PendingGeneration:
     for dst, src in zip(host, (nodes, scores), strict=True):
         dst.copy_(src, non_blocking=True)
     events[3].record()
-    return PendingGeneration(host[0], host[1], events)
+    return PendingGeneration(host[0], host[1], events, device_index=index)
