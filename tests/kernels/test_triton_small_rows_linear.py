@@ -61,6 +61,28 @@ def test_kernel_equals_the_torch_ops(rows, depth, cols, norm, residual, act, gat
     assert err <= TOLERANCE[dtype], err
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("rows", "depth", "cols", "norm", "residual", "act", "gated"), CASES)
+def test_one_row_matrix_vector_path_equals_the_torch_ops(
+    rows, depth, cols, norm, residual, act, gated, dtype
+):
+    # One row takes the FMA path (no tensor-core tile) with narrow column blocks.
+    x, w, g, r = inputs(1, depth, cols, norm, residual, gated, dtype, seed=depth + cols)
+    got = small_rows_linear(x, w, g, 1e-6, r, act, gated)
+    expected = small_rows_linear_reference(x, w, g, 1e-6, r, act, gated)
+    assert got.shape == expected.shape == (1, cols // 2 if gated else cols)
+    err = (got.float() - expected.float()).abs().max() / expected.float().abs().max()
+    assert err <= TOLERANCE[dtype], err
+
+
+def test_one_row_launch_shapes_give_the_same_result():
+    x, w, g, r = inputs(1, 300, 200, True, True, False, torch.float32, seed=5)
+    expected = small_rows_linear_reference(x, w, g, 1e-5, r)
+    for config in [(4, 64, 2, 2), (8, 256, 4, 3), (16, 128, 4, 3), (32, 512, 8, 2)]:
+        got = small_rows_linear(x, w, g, 1e-5, r, config=config)
+        torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-5)
+
+
 def test_every_launch_tile_shape_gives_the_same_result():
     x, w, g, r = inputs(7, 256, 192, True, True, False, torch.float32, seed=1)
     expected = small_rows_linear_reference(x, w, g, 1e-5, r)

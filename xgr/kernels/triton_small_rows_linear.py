@@ -5,7 +5,8 @@ An encoder-decoder's first decode step has one row per request. Its projections 
 matrix-vector products, bound by reading the weights, and cuBLAS runs each as one or two
 kernels of 5-8 us (H200, d_model 1024) around RMSNorm, activation and residual-add passes
 of their own. Here one launch reads each weight once, spread over enough programs to keep
-the memory system busy, and does its neighbours' elementwise work:
+the memory system busy (a single row skips the tensor cores, whose 16-row tiles would set
+the narrowest column block, for 4-column blocks), and does its neighbours' elementwise work:
 
 - ``norm``: RMSNorm of the input rows (Zhang & Sennrich, 2019), the rows' mean squares
   taken in a first pass, the scale applied to each loaded tile;
@@ -29,6 +30,12 @@ import triton.language as tl
 from xgr.kernels.triton_elementwise import GELU_TANH, RELU, SILU, activation
 
 MAX_ROWS = 16
+# One row (a matrix-vector product in the FMA units, no tensor-core tile): 4-column blocks
+# and 1024-wide K tiles, 8 warps, 2 stages. On an H200 (bf16, 12 weight copies cycled so they
+# are read from DRAM; results/small-rows-one-row-sweep-s13-*) the T5 OneRec-like level-0
+# projections took qkv 4.6, o 2.5, cross q 2.7, gated wi 7.2 and wo 6.1 us against 6.8, 3.5,
+# 4.6, 10.0 and 10.5 on the tensor-core path's 16 x 16 tiles: 13 us a decoder layer less.
+ONE_ROW_LAUNCH = (4, 1024, 8, 2)
 ACTIVATIONS = {None: 0, "relu": RELU, "gelu_tanh": GELU_TANH, "silu": SILU}
 
 
@@ -37,26 +44,29 @@ def _small_rows_linear_kernel(
     X, W, OUT, NORM_W, RES, rows, cols, stride_x, stride_w, stride_o, stride_r, eps,
     depth: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, ACT: tl.constexpr,
     GATED: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Grid: (column blocks,); every program holds all rows, so each weight tile is read
-    once. ``depth`` (K) is a compile-time constant: a model has a few."""
+    once. ``depth`` (K) is a compile-time constant: a model has a few. ROWS_BLOCK 16: the
+    rows are one tensor-core tile; 1: one row, a matrix-vector product in the FMA units,
+    which takes column blocks narrower than a tensor-core tile (more programs in flight
+    for the narrow projections)."""
     dtype = OUT.dtype.element_ty
-    r = tl.arange(0, 16)
+    r = tl.arange(0, ROWS_BLOCK)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     r_ok, n_ok = r < rows, n < cols
     kk = tl.arange(0, BLOCK_K)
     x_rows = X + r[:, None] * stride_x
     if NORM:
-        squares = tl.zeros([16], tl.float32)
+        squares = tl.zeros([ROWS_BLOCK], tl.float32)
         for k in tl.static_range(0, depth, BLOCK_K):  # unrolled: the loads overlap
             ok = r_ok[:, None] & (k + kk < depth)[None, :]
             xs = tl.load(x_rows + (k + kk)[None, :], mask=ok, other=0.0).to(tl.float32)
             squares += tl.sum(xs * xs, 1)
         rstd = 1.0 / tl.sqrt(squares / depth + eps)
-    acc = tl.zeros([16, BLOCK_N], tl.float32)
+    acc = tl.zeros([ROWS_BLOCK, BLOCK_N], tl.float32)
     if GATED:
-        acc_up = tl.zeros([16, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([ROWS_BLOCK, BLOCK_N], tl.float32)
     w_rows = W + n[:, None].to(tl.int64) * stride_w
     w_up = W + (n + cols)[:, None].to(tl.int64) * stride_w
     for k in range(0, depth, BLOCK_K):
@@ -68,10 +78,16 @@ def _small_rows_linear_kernel(
             a = a.to(dtype)
         w_ok = n_ok[:, None] & k_ok[None, :]
         w = tl.load(w_rows + (k + kk)[None, :], mask=w_ok, other=0.0)
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+        if ROWS_BLOCK == 1:  # (1, K) x (N, K): products and sums in float32, as the dot's
+            acc += tl.sum(w.to(tl.float32) * a.to(tl.float32), 1)[None, :]
+        else:
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
         if GATED:
             w = tl.load(w_up + (k + kk)[None, :], mask=w_ok, other=0.0)
-            acc_up = tl.dot(a, tl.trans(w), acc_up, input_precision=PRECISION)
+            if ROWS_BLOCK == 1:
+                acc_up += tl.sum(w.to(tl.float32) * a.to(tl.float32), 1)[None, :]
+            else:
+                acc_up = tl.dot(a, tl.trans(w), acc_up, input_precision=PRECISION)
     out = acc.to(dtype).to(tl.float32)  # the projection, rounded as the reference stores it
     if ACT != 0:
         out = activation(out, ACT).to(dtype).to(tl.float32)
@@ -83,13 +99,15 @@ def _small_rows_linear_kernel(
     tl.store(OUT + r[:, None] * stride_o + n[None, :], out.to(dtype), mask=ok)
 
 
-def launch_config(cols: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages): 16-column blocks, so that even a
-    1024-column projection spreads over most of the GPU's SMs, and 256-wide K tiles (fewer
-    for a smaller K, at least 16). On an H200 (one and eight rows, T5 OneRec-like and
-    TIGER-size projections) these were the fastest of seven launches, or within about 1 us
-    of it (the spread between runs): benchmarks/results/small-rows-linear-sweep-s11-*."""
-    return 16, 256, 4, 3
+def launch_config(cols: int, rows: int = MAX_ROWS) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for ``rows`` rows of ``cols`` outputs.
+
+    Several rows: 16-column blocks, so that even a 1024-column projection spreads over most
+    of the GPU's SMs, and 256-wide K tiles (fewer for a smaller K, at least 16). On an H200
+    (one and eight rows, T5 OneRec-like and TIGER-size projections) these were the fastest
+    of seven launches, or within about 1 us of it (the spread between runs):
+    benchmarks/results/small-rows-linear-sweep-s11-*. One row: ``ONE_ROW_LAUNCH``."""
+    return ONE_ROW_LAUNCH if rows == 1 else (16, 256, 4, 3)
 
 
 def small_rows_linear(
@@ -154,7 +172,7 @@ def small_rows_linear(
     out = torch.empty(rows, cols, dtype=x.dtype, device=x.device)
     if not rows or not cols:
         return out
-    block_n, block_k, warps, stages = config or launch_config(cols)
+    block_n, block_k, warps, stages = config or launch_config(cols, rows)
     _small_rows_linear_kernel[(triton.cdiv(cols, block_n),)](
         x, weight, out, norm_weight if norm_weight is not None else x,
         residual if residual is not None else x,
@@ -165,7 +183,7 @@ def small_rows_linear(
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         # tl.dot needs K tiles of at least 16 on NVIDIA GPUs (the interpreter takes fewer).
         BLOCK_N=block_n, BLOCK_K=max(16, min(block_k, triton.next_power_of_2(depth))),
-        num_warps=warps, num_stages=stages,
+        ROWS_BLOCK=1 if rows == 1 else 16, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 
