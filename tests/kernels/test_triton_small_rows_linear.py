@@ -100,6 +100,8 @@ def test_no_rows_and_bad_arguments():
         small_rows_linear(x, w[:, :63])
     with pytest.raises(ValueError, match="activation"):
         small_rows_linear(x, w, activation="tanh")
+    with pytest.raises(ValueError, match="BLOCK_N 8"):  # tensor-core tiles need 16
+        small_rows_linear(x, w, config=(8, 64, 4, 2))
     with pytest.raises(ValueError, match="activation"):
         small_rows_linear(x, w, gated=True)  # gating needs an activation
     with pytest.raises(ValueError, match="residual"):

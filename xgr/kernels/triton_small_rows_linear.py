@@ -139,8 +139,8 @@ def small_rows_linear(
 
     Raises:
         ValueError: too many rows, no columns, another dtype, mismatched shapes, dtypes or
-            devices, an odd gated weight, a non-contiguous last dimension or an unknown
-            activation.
+            devices, an odd gated weight, a non-contiguous last dimension, an unknown
+            activation, or a ``config`` with column blocks under 16 for several rows.
     """
     if x.dim() != 2 or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(
@@ -173,6 +173,9 @@ def small_rows_linear(
     if not rows or not cols:
         return out
     block_n, block_k, warps, stages = config or launch_config(cols, rows)
+    if rows > 1 and block_n < 16:  # the interpreter would run it; a GPU compile fails
+        raise ValueError(f"config: rows > 1 run on tensor-core tiles of >= 16 columns, got "
+                         f"BLOCK_N {block_n}")  # fmt: skip
     _small_rows_linear_kernel[(triton.cdiv(cols, block_n),)](
         x, weight, out, norm_weight if norm_weight is not None else x,
         residual if residual is not None else x,
