@@ -203,26 +203,28 @@ class PendingGeneration:
     host_ms: tuple[float, float] = (0.0, 0.0)
     device_index: int = 0  # CUDA: the device the events were recorded on
     _output: GenerationOutput | None = field(default=None, repr=False)
+    _waiting: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def wait(self) -> GenerationOutput:
         """Block until the results are on the host (device time runs meanwhile); later
-        calls return the same output. On CUDA the batch's events then go back to the pool
-        (``_TimingEvents``)."""
-        if self._output is not None:
+        calls, from any thread, return the same output. On CUDA the batch's events then go
+        back to the pool (``_TimingEvents``), once."""
+        with self._waiting:  # two threads must not both hand the events back
+            if self._output is not None:
+                return self._output
+            if self.events is None:
+                self._output = GenerationOutput(self.sid_index, self.scores, *self.host_ms)
+                return self._output
+            self.events[3].synchronize()
+            start, prefilled, decoded = self.events[:3]
+            self._output = GenerationOutput(
+                self.sid_index,
+                self.scores,
+                start.elapsed_time(prefilled),
+                prefilled.elapsed_time(decoded),
+            )
+            _TIMING_EVENTS.give(self.events, self.device_index)
             return self._output
-        if self.events is None:
-            self._output = GenerationOutput(self.sid_index, self.scores, *self.host_ms)
-            return self._output
-        self.events[3].synchronize()
-        start, prefilled, decoded = self.events[:3]
-        self._output = GenerationOutput(
-            self.sid_index,
-            self.scores,
-            start.elapsed_time(prefilled),
-            prefilled.elapsed_time(decoded),
-        )
-        _TIMING_EVENTS.give(self.events, self.device_index)
-        return self._output
 
     def done(self) -> bool:
         """Whether the device has finished the batch (its results are on the host)."""
@@ -309,7 +311,8 @@ def _launch(spec, prompts, beam_width, top_k, graphs) -> PendingGeneration:
     device = spec.sid_token_ids.device
     cuda = device.type == "cuda"
     if cuda:
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        # The events are recorded on the current stream: key the pool by its device.
+        index = torch.cuda.current_device()
         events = _TIMING_EVENTS.take(index)
         events[0].record()
     start = time.perf_counter()
