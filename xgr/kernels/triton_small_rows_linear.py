@@ -40,6 +40,15 @@ ACTIVATIONS = {None: 0, "relu": RELU, "gelu_tanh": GELU_TANH, "silu": SILU}
 
 
 @triton.jit
+def _accumulate(a, w, acc, ROWS_BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + a @ w.T for (ROWS_BLOCK, K) rows a and an (N, K) weight tile w: a tensor-core
+    dot for 16 rows; for one row products and sums in float32, as the dot's."""
+    if ROWS_BLOCK == 1:
+        return acc + tl.sum(w.to(tl.float32) * a.to(tl.float32), 1)[None, :]
+    return tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+
+
+@triton.jit
 def _small_rows_linear_kernel(
     X, W, OUT, NORM_W, RES, rows, cols, stride_x, stride_w, stride_o, stride_r, eps,
     depth: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, ACT: tl.constexpr,
@@ -78,16 +87,10 @@ def _small_rows_linear_kernel(
             a = a.to(dtype)
         w_ok = n_ok[:, None] & k_ok[None, :]
         w = tl.load(w_rows + (k + kk)[None, :], mask=w_ok, other=0.0)
-        if ROWS_BLOCK == 1:  # (1, K) x (N, K): products and sums in float32, as the dot's
-            acc += tl.sum(w.to(tl.float32) * a.to(tl.float32), 1)[None, :]
-        else:
-            acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+        acc = _accumulate(a, w, acc, ROWS_BLOCK, PRECISION)
         if GATED:
             w = tl.load(w_up + (k + kk)[None, :], mask=w_ok, other=0.0)
-            if ROWS_BLOCK == 1:
-                acc_up += tl.sum(w.to(tl.float32) * a.to(tl.float32), 1)[None, :]
-            else:
-                acc_up = tl.dot(a, tl.trans(w), acc_up, input_precision=PRECISION)
+            acc_up = _accumulate(a, w, acc_up, ROWS_BLOCK, PRECISION)
     out = acc.to(dtype).to(tl.float32)  # the projection, rounded as the reference stores it
     if ACT != 0:
         out = activation(out, ACT).to(dtype).to(tl.float32)
