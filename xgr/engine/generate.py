@@ -85,6 +85,7 @@ class BatchInputs:
         self._packed = packed
         self.cu_seqlens_host = cu_seqlens_host
         self.max_seqlen = max_seqlen
+        self._starts = [0, *_packed_ends(self.num_tokens, self.num_requests)]
 
     @property
     def num_requests(self) -> int:
@@ -99,33 +100,43 @@ class BatchInputs:
         cu = self.cu_seqlens_host
         return [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
 
+    def _part(self, index: int) -> torch.Tensor:
+        """Part ``index`` of the packed buffer (``_packed_ends``' order)."""
+        return self._packed[self._starts[index] : self._starts[index + 1]]
+
     @functools.cached_property
     def tokens(self) -> torch.Tensor:
-        return self._packed[: self.num_tokens]
+        return self._part(0)
 
     @functools.cached_property
     def positions(self) -> torch.Tensor:
-        return self._packed[self.num_tokens : 2 * self.num_tokens]
+        return self._part(1)
 
     @functools.cached_property
     def last_index(self) -> torch.Tensor:
-        start = 2 * self.num_tokens
-        return self._packed[start : start + self.num_requests]
+        return self._part(2)
 
     @functools.cached_property
     def prompt_lens(self) -> torch.Tensor:
-        start = 2 * self.num_tokens + self.num_requests
-        return self._packed[start : start + self.num_requests]
+        return self._part(3)
 
     @functools.cached_property
     def cu_seqlens(self) -> torch.Tensor:
-        start = 2 * self.num_tokens + 2 * self.num_requests
-        return self._packed[start : start + self.num_requests + 1]
+        return self._part(4)
 
     @functools.cached_property
     def cu_seqlens_int32(self) -> torch.Tensor:
-        start = 2 * self.num_tokens + 3 * self.num_requests + 1
-        return self._packed[start:].view(torch.int32)[: self.num_requests + 1]
+        return self._part(5).view(torch.int32)[: self.num_requests + 1]
+
+
+def _packed_ends(total: int, num: int) -> list[int]:
+    """Where each part of a batch's int64 buffer ends, for ``total`` tokens of ``num``
+    prompts: tokens, positions, last indices, lengths, offsets, then the offsets again as
+    int32 in the last (num + 2) // 2 int64 slots. Plain ints: a NumPy call per value costs
+    more host time than the values (a few us each)."""
+    ends = [total, 2 * total, 2 * total + num, 2 * total + 2 * num, 2 * total + 3 * num + 1]
+    ends.append(ends[-1] + (num + 2) // 2)
+    return ends
 
 
 def prepare_inputs(prompts: Sequence[Sequence[int]], device: torch.device) -> BatchInputs:
@@ -139,12 +150,9 @@ def prepare_inputs(prompts: Sequence[Sequence[int]], device: torch.device) -> Ba
     lens = [len(p) for p in prompts]
     cu = [0, *itertools.accumulate(lens)]
     total = cu[-1]
-    # One int64 buffer: tokens, positions, last indices, lengths, offsets, then the offsets
-    # again as int32 (the packed attention launch's) in the last int64 slots, so that one
-    # transfer brings everything and no cast runs on the device. Offsets are plain ints: a
-    # NumPy call per value costs more host time than the values (a few us each).
-    ends = [total, 2 * total, 2 * total + num, 2 * total + 2 * num, 2 * total + 3 * num + 1]
-    ends.append(ends[-1] + (num + 2) // 2)
+    # One int64 buffer with the offsets also as int32 (the packed attention launch's), so
+    # that one transfer brings everything and no cast runs on the device.
+    ends = _packed_ends(total, num)
     # On CUDA the buffer is pinned from the start (no staging copy), so the transfer below
     # is queued without waiting; the caching host allocator keeps it until the copy is done.
     packed = torch.empty(ends[-1], dtype=torch.int64, pin_memory=device.type == "cuda")
