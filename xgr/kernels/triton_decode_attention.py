@@ -94,6 +94,31 @@ def _attend_prompt_tile(
 
 
 @triton.jit
+def _attend_tiles(
+    q, K_seq, V_seq, lo, hi, length, head, stride_kt, stride_kh, d, m_i, l_i, acc,
+    scale_log2, bias_rows, bias, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BIAS: tl.constexpr, FOR_LOOP: tl.constexpr,
+):  # fmt: skip
+    """The full key tiles lo, lo + BLOCK_N, ... below hi, each by ``_attend_prompt_tile``
+    in bias mode BIAS (0: none; else ``bias`` the table or the tiles' one value)."""
+    if FOR_LOOP:  # compiled: a for loop is software-pipelined
+        for kv in range(lo, hi, BLOCK_N):
+            m_i, l_i, acc = _attend_prompt_tile(
+                q, K_seq, V_seq, kv, length, head, stride_kt, stride_kh, d, m_i, l_i, acc,
+                scale_log2, BLOCK_N, PRECISION, False, bias_rows, False, BIAS, bias,
+            )  # fmt: skip
+    else:  # Triton's interpreter cannot take loaded values as range() bounds
+        kv = lo
+        while kv < hi:
+            m_i, l_i, acc = _attend_prompt_tile(
+                q, K_seq, V_seq, kv, length, head, stride_kt, stride_kh, d, m_i, l_i, acc,
+                scale_log2, BLOCK_N, PRECISION, False, bias_rows, False, BIAS, bias,
+            )  # fmt: skip
+            kv += BLOCK_N
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _beam_decode_attention_kernel(
     Q, K, V, BK, BV, ROWS, CU, OUT, PART, LSE,
     stride_qn, stride_qh,
@@ -146,20 +171,10 @@ def _beam_decode_attention_kernel(
         lo = start + split * chunk
         hi = tl.minimum(end, lo + chunk)
         full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N  # end of the unmasked tiles
-        if FOR_LOOP:  # compiled: a for loop is software-pipelined
-            for kv in range(lo, full, BLOCK_N):
-                m_i, l_i, acc = _attend_prompt_tile(
-                    q, K, V, kv, hi, kv_head, stride_kt, stride_kh, d, m_i, l_i, acc,
-                    scale_log2, BLOCK_N, PRECISION, False, 0, False, False, 0,
-                )  # fmt: skip
-        else:  # Triton's interpreter cannot take loaded values as range() bounds
-            kv = lo
-            while kv < full:
-                m_i, l_i, acc = _attend_prompt_tile(
-                    q, K, V, kv, hi, kv_head, stride_kt, stride_kh, d, m_i, l_i, acc,
-                    scale_log2, BLOCK_N, PRECISION, False, 0, False, False, 0,
-                )  # fmt: skip
-                kv += BLOCK_N
+        m_i, l_i, acc = _attend_tiles(
+            q, K, V, lo, full, hi, kv_head, stride_kt, stride_kh, d, m_i, l_i, acc,
+            scale_log2, 0, 0, BLOCK_N, PRECISION, False, FOR_LOOP,
+        )  # fmt: skip
         if full < hi:
             m_i, l_i, acc = _attend_prompt_tile(
                 q, K, V, full, hi, kv_head, stride_kt, stride_kh, d, m_i, l_i, acc,

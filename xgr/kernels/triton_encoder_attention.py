@@ -18,34 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from xgr.kernels.triton_decode_attention import LOG2E, _attend_prompt_tile
+from xgr.kernels.triton_decode_attention import LOG2E, _attend_prompt_tile, _attend_tiles
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
-
-
-@triton.jit
-def _attend_tiles(
-    q, K_seq, V_seq, lo, hi, length, head, stride_kt, stride_kh, d, m_i, l_i, acc,
-    scale_log2, bias_rows, bias, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    BIAS: tl.constexpr, FOR_LOOP: tl.constexpr,
-):  # fmt: skip
-    """The full key tiles lo, lo + BLOCK_N, ... below hi, each by ``_attend_prompt_tile``
-    in bias mode BIAS (``bias`` the table or the tiles' one value)."""
-    if FOR_LOOP:  # compiled: a for loop is software-pipelined
-        for kv in range(lo, hi, BLOCK_N):
-            m_i, l_i, acc = _attend_prompt_tile(
-                q, K_seq, V_seq, kv, length, head, stride_kt, stride_kh, d, m_i, l_i, acc,
-                scale_log2, BLOCK_N, PRECISION, False, bias_rows, False, BIAS, bias,
-            )  # fmt: skip
-    else:  # Triton's interpreter cannot take loaded values as range() bounds
-        kv = lo
-        while kv < hi:
-            m_i, l_i, acc = _attend_prompt_tile(
-                q, K_seq, V_seq, kv, length, head, stride_kt, stride_kh, d, m_i, l_i, acc,
-                scale_log2, BLOCK_N, PRECISION, False, bias_rows, False, BIAS, bias,
-            )  # fmt: skip
-            kv += BLOCK_N
-    return m_i, l_i, acc
 
 
 @triton.jit
