@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 import torch
 
-from tests.conftest import ARCHS, random_catalog, sequential_sid_map, write_random_model
+from tests.conftest import (
+    ARCHS,
+    random_catalog,
+    sequential_sid_map,
+    write_random_model,
+    write_random_t5,
+)
 from xgr import Engine
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -263,3 +272,26 @@ def test_warm_up_captures_every_shape_the_load_then_needs(model_dirs):
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda b: engine.recommend(b, 16, 16, 5), batches))
     assert sum(g.captures for g in lanes) == captured
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "t5"])
+def test_a_dropped_engine_gives_its_gpu_memory_back(model_dirs, tmp_path, arch):
+    if arch == "t5":
+        write_random_t5(tmp_path, "gated-gelu", tied=False)
+    folder = tmp_path if arch == "t5" else model_dirs[arch]
+
+    def serve_and_drop():
+        engine = bf16_engine(folder, seed=21)
+        engine.recommend([[1, 2, 3], list(range(5, 60))], beam_width=16, top_k=16)
+        engine.recommend([list(range(5, 40))], beam_width=16, top_k=16)
+        assert engine.graphs.captures >= 2  # graphs, and their memory pools, were made
+        dropped = weakref.ref(engine)
+        del engine
+        gc.collect()
+        torch.cuda.synchronize()
+        return dropped
+
+    serve_and_drop()  # the first engine also sets up what the process keeps (cuBLAS)
+    before = torch.cuda.memory_allocated()
+    assert serve_and_drop()() is None
+    assert torch.cuda.memory_allocated() == before

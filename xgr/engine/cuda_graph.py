@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -133,6 +134,46 @@ class CaptureGate:
             with self._cond:
                 self._capturing = False
                 self._cond.notify_all()
+
+
+class _CaptureStreams:
+    """The streams graphs are warmed up and captured on, one per ``CudaGraphs`` for its
+    lifetime, handed to a later one once its owner is collected.
+
+    PyTorch keys cuBLAS workspaces (32 MiB each on an H200) by (cuBLAS handle, stream) and
+    keeps them for the life of the process, and a GEMM captured in a graph keeps the
+    workspace of the stream it was captured on. So a new stream per capture left 32 MiB
+    behind each time (160 MiB for an engine's first four graphs, never returned when the
+    engine was dropped), and on one stream for all, every lane's graphs would share a
+    workspace and race when replayed at once. One stream per ``CudaGraphs`` at a time gives
+    each lane its own workspace; reusing the stream of a dropped one reuses its workspace.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[torch.cuda.Stream]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, owner: object, device: torch.device) -> torch.cuda.Stream:
+        """A capture stream for ``owner``, returned when ``owner`` is collected."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        with self._lock:
+            free = self._free.setdefault(index, [])
+            stream = free.pop() if free else None
+        if stream is None:
+            stream = torch.cuda.Stream(device=index)
+        else:
+            # The dropped owner's last replays may still run, with the workspace this
+            # stream's GEMMs use.
+            torch.cuda.synchronize(index)
+        weakref.finalize(owner, self._give, index, stream)
+        return stream
+
+    def _give(self, index: int, stream: torch.cuda.Stream) -> None:
+        with self._lock:
+            self._free.setdefault(index, []).append(stream)
+
+
+_CAPTURE_STREAMS = _CaptureStreams()
 
 
 @dataclass
@@ -445,19 +486,17 @@ class CudaGraphs:
         return entry
 
     def _capture(self, key, run, inputs) -> _Graph:
-        # Warm up on a side stream (compiles kernels, creates library handles) before capture.
-        device = inputs[0].device
-        side = torch.cuda.Stream(device=device)
+        if self._capture_stream is None:
+            self._capture_stream = _CAPTURE_STREAMS.take(self, inputs[0].device)
+        # Warm up (compiles kernels, creates library handles) on the capture stream, a side
+        # stream, before capture.
+        side = self._capture_stream
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             run()
         torch.cuda.current_stream().wait_stream(side)
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
-            # PyTorch keys cuBLAS workspaces by stream, and a captured GEMM keeps the
-            # workspace of the stream it was captured on: on the one default capture stream,
-            # every lane's graphs would share a workspace and race when replayed at once.
-            self._capture_stream = torch.cuda.Stream(device=device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(
             graph,
