@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -16,6 +17,7 @@ from xgr.engine.cuda_graph import (
     MAX_ENCODER_MASK_BYTES,
     CaptureGate,
     CudaGraphs,
+    _CaptureStreams,
     _Graph,
     _padding_segments,
     encoder_bucket,
@@ -212,3 +214,34 @@ def test_graph_buffers_give_the_eager_results_on_the_cpu(arch, model_dirs, tmp_p
         torch.testing.assert_close(got.scores, want.scores, atol=1e-5, rtol=1e-5)
     # Fewer graphs than batches: later batches replayed earlier captures.
     assert graphs.captures < 2 * len(batches)
+
+
+def test_capture_streams_are_held_one_owner_at_a_time_and_reused(monkeypatch):
+    """A capture stream keeps its cuBLAS workspace for the process's life: a live owner has
+    one to itself, and a collected owner's stream (with its workspace) goes to the next."""
+    made, synced = [], []
+
+    def stream(device):
+        made.append(object())
+        return made[-1]
+
+    monkeypatch.setattr(torch.cuda, "Stream", stream)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+
+    class Owner:
+        pass
+
+    pool = _CaptureStreams()
+    a, b = Owner(), Owner()
+    first = pool.take(a, torch.device("cuda", 0))
+    second = pool.take(b, torch.device("cuda", 0))
+    other_device = pool.take(Owner(), torch.device("cuda", 1))  # collected at once
+    assert len({id(first), id(second), id(other_device)}) == 3 and not synced
+    del a
+    gc.collect()
+    assert pool.take(Owner(), torch.device("cuda", 1)) is other_device
+    c = Owner()
+    assert pool.take(c, torch.device("cuda", 0)) is first
+    assert synced == [1, 0]  # a dropped owner's replays may still use the workspace
+    assert pool.take(Owner(), torch.device("cuda", 0)) is not second  # b is alive
+    assert len(made) == 4
