@@ -6,18 +6,20 @@ import gc
 import os
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
 import torch
 
 from tests.conftest import random_catalog, sequential_sid_map, write_random_t5
-from xgr import Engine
+from xgr import Engine, XgrError
+from xgr.engine import cuda_graph
 from xgr.engine.cuda_graph import (
     MAX_ENCODER_MASK_BYTES,
     CaptureGate,
     CudaGraphs,
-    _CaptureStreams,
+    _ExclusiveStreams,
     _Graph,
     _padding_segments,
     encoder_bucket,
@@ -216,32 +218,80 @@ def test_graph_buffers_give_the_eager_results_on_the_cpu(arch, model_dirs, tmp_p
     assert graphs.captures < 2 * len(batches)
 
 
-def test_capture_streams_are_held_one_owner_at_a_time_and_reused(monkeypatch):
-    """A capture stream keeps its cuBLAS workspace for the process's life: a live owner has
-    one to itself, and a collected owner's stream (with its workspace) goes to the next."""
-    made, synced = [], []
+class _PooledStreams:
+    """Stand-ins for ``torch.cuda.Stream``: new objects over CUDA handles handed out in turn
+    from a pool of ``size``, as PyTorch does."""
 
-    def stream(device):
-        made.append(object())
-        return made[-1]
+    def __init__(self, size):
+        self.size, self.drawn, self.synced = size, 0, []
 
-    monkeypatch.setattr(torch.cuda, "Stream", stream)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    def stream(self, device):
+        self.drawn += 1
+        return types.SimpleNamespace(cuda_stream=1000 * device + self.drawn % self.size)
 
-    class Owner:
-        pass
+    def synchronize(self, device=None):
+        self.synced.append(device)
 
-    pool = _CaptureStreams()
-    a, b = Owner(), Owner()
-    first = pool.take(a, torch.device("cuda", 0))
-    second = pool.take(b, torch.device("cuda", 0))
-    other_device = pool.take(Owner(), torch.device("cuda", 1))  # collected at once
-    assert len({id(first), id(second), id(other_device)}) == 3 and not synced
+
+class _Owner:
+    pass
+
+
+def test_exclusive_streams_are_held_one_owner_at_a_time_and_reused(monkeypatch):
+    """A stream keeps its cuBLAS workspace for the process's life: a live owner has one to
+    itself, and a collected owner's stream (with its workspace) goes to the next."""
+    pool = _PooledStreams(size=32)
+    monkeypatch.setattr(torch.cuda, "Stream", pool.stream)
+    monkeypatch.setattr(torch.cuda, "synchronize", pool.synchronize)
+    streams = _ExclusiveStreams()
+    a, b = _Owner(), _Owner()
+    first = streams.take(a, torch.device("cuda", 0), "capture")
+    second = streams.take(b, torch.device("cuda", 0), "capture")
+    other_device = streams.take(_Owner(), torch.device("cuda", 1), "capture")  # collected at once
+    assert first.cuda_stream != second.cuda_stream and not pool.synced
     del a
     gc.collect()
-    assert pool.take(Owner(), torch.device("cuda", 1)) is other_device
-    c = Owner()
-    assert pool.take(c, torch.device("cuda", 0)) is first
-    assert synced == [1, 0]  # a dropped owner's replays may still use the workspace
-    assert pool.take(Owner(), torch.device("cuda", 0)) is not second  # b is alive
-    assert len(made) == 4
+    assert streams.take(_Owner(), torch.device("cuda", 1), "capture") is other_device
+    c = _Owner()
+    assert streams.take(c, torch.device("cuda", 0), "capture") is first
+    assert pool.synced == [1, 0]  # a collected owner's work may still use the workspace
+    assert streams.take(_Owner(), torch.device("cuda", 0), "capture") is not second  # b is alive
+    assert pool.drawn == 4
+
+
+def test_exclusive_streams_skip_cuda_streams_that_live_owners_hold(monkeypatch):
+    pool = _PooledStreams(size=3)  # PyTorch's pool wraps after 32 draws; here after 3
+    monkeypatch.setattr(torch.cuda, "Stream", pool.stream)
+    monkeypatch.setattr(torch.cuda, "synchronize", pool.synchronize)
+    monkeypatch.setattr(cuda_graph, "STREAM_POOL_SIZE", 3)
+    streams = _ExclusiveStreams()
+    owners = [_Owner() for _ in range(3)]
+    handles = [streams.take(o, torch.device("cuda", 0), "capture").cuda_stream for o in owners[:2]]
+    torch.cuda.Stream(device=0)  # someone else draws: the pool moves on
+    # The next draw would give the first owner's CUDA stream again: it is drawn past.
+    handles.append(streams.take(owners[2], torch.device("cuda", 0), "capture").cuda_stream)
+    assert len(set(handles)) == 3
+    with pytest.raises(XgrError, match="all 3 of PyTorch's CUDA streams on device 0"):
+        streams.take(_Owner(), torch.device("cuda", 0), "capture")
+    del owners[1]
+    gc.collect()
+    assert streams.take(_Owner(), torch.device("cuda", 0), "capture").cuda_stream == handles[1]
+
+
+def test_given_back_streams_go_to_the_same_use_and_are_not_drawn_twice(monkeypatch):
+    pool = _PooledStreams(size=4)
+    monkeypatch.setattr(torch.cuda, "Stream", pool.stream)
+    monkeypatch.setattr(torch.cuda, "synchronize", pool.synchronize)
+    monkeypatch.setattr(cuda_graph, "STREAM_POOL_SIZE", 4)
+    streams = _ExclusiveStreams()
+    lane = streams.take(_Owner(), torch.device("cuda", 0), "lane")  # both given back at once
+    capture = streams.take(_Owner(), torch.device("cuda", 0), "capture")
+    owners = [_Owner() for _ in range(3)]
+    taken = [streams.take(o, torch.device("cuda", 0), "capture") for o in owners]
+    # The capture stream given back comes first; then draws that pass over the lane stream
+    # given back (the pool hands its CUDA stream out again).
+    assert taken[0] is capture
+    assert lane.cuda_stream not in {s.cuda_stream for s in taken[1:]}
+    assert len({s.cuda_stream for s in taken}) == 3
+    # The pool is spent: the lane stream given back is used for a capture rather than fail.
+    assert streams.take(_Owner(), torch.device("cuda", 0), "capture") is lane

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import threading
 import weakref
 from collections import OrderedDict
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from xgr.core import XgrError
 from xgr.kv import SharedKV, kv_buffers
 
 logger = logging.getLogger(__name__)
@@ -136,44 +138,104 @@ class CaptureGate:
                 self._cond.notify_all()
 
 
-class _CaptureStreams:
-    """The streams graphs are warmed up and captured on, one per ``CudaGraphs`` for its
-    lifetime, handed to a later one once its owner is collected.
+# PyTorch hands out its streams in turn from a pool of this many per device and priority.
+STREAM_POOL_SIZE = 32
+
+
+class _ExclusiveStreams:
+    """CUDA streams each held by one owner at a time (an engine's lanes, a ``CudaGraphs``'s
+    warm-ups and captures), handed to a later owner once theirs is collected.
 
     PyTorch keys cuBLAS workspaces (32 MiB each on an H200) by (cuBLAS handle, stream) and
     keeps them for the life of the process, and a GEMM captured in a graph keeps the
-    workspace of the stream it was captured on. So a new stream per capture left 32 MiB
-    behind each time (160 MiB for an engine's first four graphs, never returned when the
-    engine was dropped), and on one stream for all, every lane's graphs would share a
-    workspace and race when replayed at once. One stream per ``CudaGraphs`` at a time gives
-    each lane its own workspace; reusing the stream of a dropped one reuses its workspace.
+    workspace of the stream it was captured on. Two streams that are one CUDA stream share a
+    workspace, and GEMMs running on both at once race on it; ``torch.cuda.Stream()`` hands
+    out the same CUDA stream again after ``STREAM_POOL_SIZE`` draws. So streams are told
+    apart by their CUDA handle, a draw that gives one held by a live owner is drawn again,
+    and a collected owner's stream (with its workspaces) goes to the next owner. A new
+    stream per capture had left a workspace behind each time: 160 MiB for an engine's first
+    four graphs, never returned when the engine was dropped.
+
+    Streams the engine did not draw here (the stream current when an engine is made, a
+    caller's own) are not tracked. A stream captured on from another thread gets another
+    workspace (cuBLAS handles are per thread), which costs memory, not correctness.
     """
 
     def __init__(self) -> None:
-        self._free: dict[int, list[torch.cuda.Stream]] = {}
         self._lock = threading.Lock()
+        # Finalizers only put here: a queue.SimpleQueue may be used from a weakref callback
+        # that runs while this thread holds the lock, which a lock taken there could not.
+        self._released: queue.SimpleQueue = queue.SimpleQueue()
+        # Given-back streams by (device, use): a capture stream goes to the next capture,
+        # whose GEMMs then find its workspace made.
+        self._free: dict[tuple[int, str], list[torch.cuda.Stream]] = {}
+        self._held: set[tuple[int, int]] = set()  # (device, CUDA handle) of live owners
 
-    def take(self, owner: object, device: torch.device) -> torch.cuda.Stream:
-        """A capture stream for ``owner``, returned when ``owner`` is collected."""
+    def take(self, owner: object, device: torch.device, use: str) -> torch.cuda.Stream:
+        """A stream for ``owner`` alone, given back when ``owner`` is collected; ``use``
+        ("lane" or "capture") groups the given-back streams.
+
+        Raises:
+            XgrError: every stream of PyTorch's pool on the device is held.
+        """
         index = device.index if device.index is not None else torch.cuda.current_device()
         with self._lock:
-            free = self._free.setdefault(index, [])
-            stream = free.pop() if free else None
-        if stream is None:
-            stream = torch.cuda.Stream(device=index)
-        else:
-            # The dropped owner's last replays may still run, with the workspace this
-            # stream's GEMMs use.
+            self._drain()
+            free = self._free.setdefault((index, use), [])
+            reused = bool(free)
+            stream = free.pop() if reused else self._draw(index)
+            reused = reused or stream is None
+            if stream is None:  # no stream left to draw: one given back for another use
+                stream = self._repurpose(index)
+            self._held.add((index, stream.cuda_stream))
+        if reused:
+            # The collected owner's last work may still run, with this stream's workspace.
             torch.cuda.synchronize(index)
-        weakref.finalize(owner, self._give, index, stream)
+        weakref.finalize(owner, self._released.put, (index, use, stream))
         return stream
 
-    def _give(self, index: int, stream: torch.cuda.Stream) -> None:
-        with self._lock:
-            self._free.setdefault(index, []).append(stream)
+    def _drain(self) -> None:
+        while True:
+            try:
+                index, use, stream = self._released.get_nowait()
+            except queue.Empty:
+                return
+            self._held.discard((index, stream.cuda_stream))
+            self._free.setdefault((index, use), []).append(stream)
+
+    def _draw(self, index: int) -> torch.cuda.Stream | None:
+        """A stream of PyTorch's pool that no owner holds and none given back is, or None."""
+        taken = {h for i, h in self._held if i == index}
+        for (i, _), free in self._free.items():
+            if i == index:
+                taken.update(s.cuda_stream for s in free)
+        for _ in range(STREAM_POOL_SIZE):
+            stream = torch.cuda.Stream(device=index)
+            if stream.cuda_stream not in taken:
+                return stream
+        return None
+
+    def _repurpose(self, index: int) -> torch.cuda.Stream:
+        for (i, _), free in self._free.items():
+            if i == index and free:
+                return free.pop()
+        raise XgrError(
+            f"all {STREAM_POOL_SIZE} of PyTorch's CUDA streams on device {index} are held by "
+            "live engines' lanes and CUDA graphs; drop an engine or use fewer cuda_streams"
+        )
 
 
-_CAPTURE_STREAMS = _CaptureStreams()
+_EXCLUSIVE_STREAMS = _ExclusiveStreams()
+
+
+def exclusive_stream(owner: object, device: torch.device, use: str) -> torch.cuda.Stream:
+    """A CUDA stream that no other live owner holds (``_ExclusiveStreams``), given back
+    when ``owner`` is collected; ``use`` is "lane" or "capture".
+
+    Raises:
+        XgrError: every stream of PyTorch's pool on ``device`` is held.
+    """
+    return _EXCLUSIVE_STREAMS.take(owner, device, use)
 
 
 @dataclass
@@ -487,7 +549,7 @@ class CudaGraphs:
 
     def _capture(self, key, run, inputs) -> _Graph:
         if self._capture_stream is None:
-            self._capture_stream = _CAPTURE_STREAMS.take(self, inputs[0].device)
+            self._capture_stream = exclusive_stream(self, inputs[0].device, "capture")
         # Warm up (compiles kernels, creates library handles) on the capture stream, a side
         # stream, before capture.
         side = self._capture_stream

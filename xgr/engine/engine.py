@@ -24,7 +24,7 @@ from xgr.core import (
     XgrError,
     positive_int,
 )
-from xgr.engine.cuda_graph import CaptureGate, CudaGraphs
+from xgr.engine.cuda_graph import CaptureGate, CudaGraphs, exclusive_stream
 from xgr.engine.decode import DecodeSpec
 from xgr.engine.generate import (
     PREFILL_PAD_TOKEN,
@@ -133,7 +133,7 @@ class Engine:
         # fixed, so that its batches queue in order whichever thread launches them; several
         # are streams of their own. Lane 0 replays ``self.graphs``, the others their own.
         self._streams = (
-            [torch.cuda.Stream(self.device) for _ in range(lanes)]
+            [exclusive_stream(self, self.device, "lane") for _ in range(lanes)]
             if lanes > 1
             else [torch.cuda.current_stream(self.device) if cuda else None]
         )
