@@ -223,11 +223,15 @@ class _PooledStreams:
     from a pool of ``size``, as PyTorch does."""
 
     def __init__(self, size):
-        self.size, self.drawn, self.synced = size, 0, []
+        self.size, self.turns, self.synced = size, {}, []
+
+    @property
+    def drawn(self):
+        return sum(self.turns.values())
 
     def stream(self, device):
-        self.drawn += 1
-        return types.SimpleNamespace(cuda_stream=1000 * device + self.drawn % self.size)
+        self.turns[device] = self.turns.get(device, 0) + 1
+        return types.SimpleNamespace(cuda_stream=1000 * device + self.turns[device] % self.size)
 
     def synchronize(self, device=None):
         self.synced.append(device)
@@ -295,3 +299,16 @@ def test_given_back_streams_go_to_the_same_use_and_are_not_drawn_twice(monkeypat
     assert len({s.cuda_stream for s in taken}) == 3
     # The pool is spent: the lane stream given back is used for a capture rather than fail.
     assert streams.take(_Owner(), torch.device("cuda", 0), "capture") is lane
+
+
+def test_an_owner_that_cannot_be_weakly_referenced_takes_no_stream(monkeypatch):
+    pool = _PooledStreams(size=4)
+    monkeypatch.setattr(torch.cuda, "Stream", pool.stream)
+    monkeypatch.setattr(torch.cuda, "synchronize", pool.synchronize)
+    streams = _ExclusiveStreams()
+    with pytest.raises(TypeError):
+        streams.take(object(), torch.device("cuda", 0), "lane")  # object() has no weakrefs
+    assert not streams._held
+    reused = streams.take(_Owner(), torch.device("cuda", 0), "lane")
+    assert pool.drawn == 1 and pool.synced == [0]  # the stream drawn for it, not a new one
+    assert reused.cuda_stream == 1

@@ -187,11 +187,15 @@ class _ExclusiveStreams:
             reused = reused or stream is None
             if stream is None:  # no stream left to draw: one given back for another use
                 stream = self._repurpose(index)
+            try:  # before the sync below, which may raise: the stream then still comes back
+                weakref.finalize(owner, self._released.put, (index, use, stream))
+            except BaseException:  # an owner without weak references: nothing was handed out
+                self._free.setdefault((index, use), []).append(stream)
+                raise
             self._held.add((index, stream.cuda_stream))
         if reused:
             # The collected owner's last work may still run, with this stream's workspace.
             torch.cuda.synchronize(index)
-        weakref.finalize(owner, self._released.put, (index, use, stream))
         return stream
 
     def _drain(self) -> None:
@@ -209,7 +213,8 @@ class _ExclusiveStreams:
         for (i, _), free in self._free.items():
             if i == index:
                 taken.update(s.cuda_stream for s in free)
-        for _ in range(STREAM_POOL_SIZE):
+        # Twice round the pool: another thread drawing meanwhile moves the turn on.
+        for _ in range(2 * STREAM_POOL_SIZE):
             stream = torch.cuda.Stream(device=index)
             if stream.cuda_stream not in taken:
                 return stream
