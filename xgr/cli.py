@@ -531,8 +531,9 @@ def bench_serve(
 ) -> None:
     """Load levels (Poisson rates and/or fixed concurrency) -> P50/P95/P99, throughput, errors.
 
-    Histories are random items of the model's catalog. Writes JSON to OUTPUT and a PNG plot;
-    prints one line per level.
+    Histories are random items of the model's catalog. With --url, --demo or --model only
+    supplies that catalog (the server's model answers). Writes JSON to OUTPUT and a PNG
+    plot; prints one line per level.
     """
     import asyncio
 
