@@ -241,12 +241,19 @@ class _Owner:
     pass
 
 
+def _stand_in_streams(monkeypatch, size: int) -> _PooledStreams:
+    """torch.cuda's Stream and synchronize replaced by a pool of ``size`` stand-ins."""
+    pool = _PooledStreams(size)
+    monkeypatch.setattr(torch.cuda, "Stream", pool.stream)
+    monkeypatch.setattr(torch.cuda, "synchronize", pool.synchronize)
+    monkeypatch.setattr(cuda_graph, "STREAM_POOL_SIZE", size)
+    return pool
+
+
 def test_exclusive_streams_are_held_one_owner_at_a_time_and_reused(monkeypatch):
     """A stream keeps its cuBLAS workspace for the process's life: a live owner has one to
     itself, and a collected owner's stream (with its workspace) goes to the next."""
-    pool = _PooledStreams(size=32)
-    monkeypatch.setattr(torch.cuda, "Stream", pool.stream)
-    monkeypatch.setattr(torch.cuda, "synchronize", pool.synchronize)
+    pool = _stand_in_streams(monkeypatch, size=32)
     streams = _ExclusiveStreams()
     a, b = _Owner(), _Owner()
     first = streams.take(a, torch.device("cuda", 0), "capture")
@@ -264,10 +271,7 @@ def test_exclusive_streams_are_held_one_owner_at_a_time_and_reused(monkeypatch):
 
 
 def test_exclusive_streams_skip_cuda_streams_that_live_owners_hold(monkeypatch):
-    pool = _PooledStreams(size=3)  # PyTorch's pool wraps after 32 draws; here after 3
-    monkeypatch.setattr(torch.cuda, "Stream", pool.stream)
-    monkeypatch.setattr(torch.cuda, "synchronize", pool.synchronize)
-    monkeypatch.setattr(cuda_graph, "STREAM_POOL_SIZE", 3)
+    _stand_in_streams(monkeypatch, size=3)  # PyTorch wraps after 32 draws; here 3
     streams = _ExclusiveStreams()
     owners = [_Owner() for _ in range(3)]
     handles = [streams.take(o, torch.device("cuda", 0), "capture").cuda_stream for o in owners[:2]]
@@ -283,10 +287,7 @@ def test_exclusive_streams_skip_cuda_streams_that_live_owners_hold(monkeypatch):
 
 
 def test_given_back_streams_go_to_the_same_use_and_are_not_drawn_twice(monkeypatch):
-    pool = _PooledStreams(size=4)
-    monkeypatch.setattr(torch.cuda, "Stream", pool.stream)
-    monkeypatch.setattr(torch.cuda, "synchronize", pool.synchronize)
-    monkeypatch.setattr(cuda_graph, "STREAM_POOL_SIZE", 4)
+    _stand_in_streams(monkeypatch, size=4)
     streams = _ExclusiveStreams()
     lane = streams.take(_Owner(), torch.device("cuda", 0), "lane")  # both given back at once
     capture = streams.take(_Owner(), torch.device("cuda", 0), "capture")
@@ -302,9 +303,7 @@ def test_given_back_streams_go_to_the_same_use_and_are_not_drawn_twice(monkeypat
 
 
 def test_an_owner_that_cannot_be_weakly_referenced_takes_no_stream(monkeypatch):
-    pool = _PooledStreams(size=4)
-    monkeypatch.setattr(torch.cuda, "Stream", pool.stream)
-    monkeypatch.setattr(torch.cuda, "synchronize", pool.synchronize)
+    pool = _stand_in_streams(monkeypatch, size=4)
     streams = _ExclusiveStreams()
     with pytest.raises(TypeError):
         streams.take(object(), torch.device("cuda", 0), "lane")  # object() has no weakrefs

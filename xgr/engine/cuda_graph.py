@@ -181,12 +181,10 @@ class _ExclusiveStreams:
         index = device.index if device.index is not None else torch.cuda.current_device()
         with self._lock:
             self._drain()
-            free = self._free.setdefault((index, use), [])
-            reused = bool(free)
-            stream = free.pop() if reused else self._draw(index)
-            reused = reused or stream is None
-            if stream is None:  # no stream left to draw: one given back for another use
-                stream = self._repurpose(index)
+            stream = None if self._free.get((index, use)) else self._draw(index)
+            reused = stream is None
+            if reused:
+                stream = self._given_back(index, use)
             try:  # before the sync below, which may raise: the stream then still comes back
                 weakref.finalize(owner, self._released.put, (index, use, stream))
             except BaseException:  # an owner without weak references: nothing was handed out
@@ -220,10 +218,13 @@ class _ExclusiveStreams:
                 return stream
         return None
 
-    def _repurpose(self, index: int) -> torch.cuda.Stream:
-        for (i, _), free in self._free.items():
-            if i == index and free:
-                return free.pop()
+    def _given_back(self, index: int, use: str) -> torch.cuda.Stream:
+        """A given-back stream: of ``use`` first (its workspaces are made), else of another
+        use (no stream is left to draw)."""
+        keys = [(index, use), *(key for key in self._free if key[0] == index)]
+        for key in keys:
+            if self._free.get(key):
+                return self._free[key].pop()
         raise XgrError(
             f"all {STREAM_POOL_SIZE} of PyTorch's CUDA streams on device {index} are held by "
             "live engines' lanes and CUDA graphs; drop an engine or use fewer cuda_streams"
@@ -557,18 +558,18 @@ class CudaGraphs:
             self._capture_stream = exclusive_stream(self, inputs[0].device, "capture")
         # Warm up (compiles kernels, creates library handles) on the capture stream, a side
         # stream, before capture.
-        side = self._capture_stream
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        stream = self._capture_stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
             run()
-        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.current_stream().wait_stream(stream)
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(
             graph,
             pool=self._mempool,
-            stream=self._capture_stream,
+            stream=stream,
             # thread_local: another lane's thread may launch or allocate during this capture.
             capture_error_mode="thread_local",
         ):
