@@ -30,7 +30,8 @@ from e2e_latency import SHAPES, TINY, hf_model, random_catalog, sid_token_map, x
 
 from xgr import Engine  # noqa: E402
 from xgr.engine.decode import decode_levels  # noqa: E402
-from xgr.engine.generate import prefill, prepare_inputs  # noqa: E402
+from xgr.engine.generate import prefill  # noqa: E402
+from xgr.engine.inputs import prepare_inputs  # noqa: E402
 
 FAMILIES = (  # first match wins; matched against lower-case kernel names
     ("decode attention (xgr Triton)", ("_beam_decode_attention",)),

@@ -106,7 +106,8 @@ def profile_t5(folder: Path, catalog, sid_map, prompt, beam_width, dtype, device
     from profile_request import profile_phases
 
     from xgr.engine.decode import decode_levels_encdec
-    from xgr.engine.generate import allocate_shared_kv, prepare_inputs
+    from xgr.engine.generate import allocate_shared_kv
+    from xgr.engine.inputs import prepare_inputs
 
     engine = Engine.from_pretrained(
         folder, catalog, device=device, dtype=dtype, sid_token_ids=sid_map, cuda_graphs=False

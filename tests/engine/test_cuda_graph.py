@@ -21,7 +21,6 @@ from xgr.engine.cuda_graph import (
     CudaGraphs,
     _ExclusiveStreams,
     _Graph,
-    _padding_segments,
     encoder_bucket,
     prefill_bucket,
 )
@@ -145,14 +144,6 @@ def test_encoder_keys_skip_the_mask_limit_where_no_mask_is_built(monkeypatch):
     monkeypatch.setattr(t5_module, "ENCODER_ATTENTION", "sdpa")
     assert model.encoder_builds_mask(torch.device("meta"))
     assert graphs.prefill_key([10] * 9 + [2817]) is None
-
-
-@pytest.mark.parametrize(("padding", "stand_ins"), [(1, 0), (70, 62), (5000, 3), (300, 299)])
-def test_padding_segments_cover_the_padding(padding, stand_ins):
-    seg, last = _padding_segments(padding, stand_ins)
-    assert seg >= 1 or stand_ins == 0
-    assert last >= 1 and seg * stand_ins + last == padding
-    assert last <= seg + stand_ins + 1
 
 
 def test_warm_up_batches_cover_the_graphs_of_any_such_batch():

@@ -106,7 +106,7 @@ def test_graph_replay_equals_eager_and_serves_other_prompt_lengths(model_dirs):
 
 def test_prefill_and_decode_make_no_host_sync(model_dirs):
     from xgr.engine.decode import decode_levels
-    from xgr.engine.generate import prefill, prepare_inputs
+    from xgr.engine.generate import prefill
 
     engine = bf16_engine(model_dirs["qwen2"], seed=5)
     prompts = [[1, 2, 3, 4], list(range(8, 90))]
@@ -117,7 +117,7 @@ def test_prefill_and_decode_make_no_host_sync(model_dirs):
     torch.cuda.set_sync_debug_mode("error")
     try:
         with torch.inference_mode(), graphs.lock:
-            inputs = prepare_inputs(prompts, engine.device)
+            inputs = graphs.stage(prompts)  # one host-to-device copy, no fills
             last = graphs.replay_prefill(inputs)
             nodes, scores = graphs.replay_decode(spec, last, inputs, 16, 8)
             shared = graphs.shared_kv(inputs)
@@ -133,14 +133,14 @@ def test_prefill_and_decode_make_no_host_sync(model_dirs):
 
 
 def test_one_packed_prefill_graph_serves_every_batch_size_of_a_bucket(model_dirs):
-    from xgr.engine.generate import prefill, prepare_inputs
+    from xgr.engine.generate import prefill
 
     engine = bf16_engine(model_dirs["qwen3"], seed=15)
     graphs, gen = engine.graphs, torch.Generator().manual_seed(16)
     for lengths in ((30, 41), (10, 20, 33), (5,) * 8 + (40,), (2, 60, 1, 7)):
         prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in lengths]
         with torch.inference_mode(), graphs.lock:
-            inputs = prepare_inputs(prompts, engine.device)
+            inputs = graphs.stage(prompts)
             last = graphs.replay_prefill(inputs).clone()
             expected = prefill(engine.model, inputs, graphs.shared_kv(inputs))
         assert last.shape == expected.shape == (len(lengths), engine.model.config.hidden_size)

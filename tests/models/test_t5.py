@@ -15,7 +15,8 @@ from transformers import T5ForConditionalGeneration
 
 from tests.conftest import write_random_t5
 from xgr import XgrError
-from xgr.engine.generate import allocate_shared_kv, prepare_inputs
+from xgr.engine.generate import allocate_shared_kv
+from xgr.engine.inputs import prepare_inputs
 from xgr.kv import SharedKV
 from xgr.layers.relative_position import (
     relative_position_bias,

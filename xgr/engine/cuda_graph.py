@@ -18,13 +18,15 @@ with no host involvement:
   selection, decode forward and KV bookkeeping; prompt lengths enter only through device
   tensors (offsets and lengths read by the kernels).
 
-Both read and write one prompt-KV pool that grows in powers of two (dropping the graphs,
-which hold its address). Graphs are captured on first use of a shape, after one eager
-warm-up run that compiles the Triton kernels, and kept in an LRU; all share one memory pool,
-which is safe because replays never overlap (a lock serializes launches, and one lane's
-batches queue on one stream) and each batch's results are copied out, in stream order,
-before the next batch's replays. Batches beyond ``max_requests`` or ``max_prefill_tokens``
-run eagerly, with a log line.
+A batch's host-built inputs reach the device in one copy, straight into a staging buffer
+whose views are the graphs' static inputs (``xgr.engine.inputs.InputStaging``): no
+device-to-device fill runs before a replay. Both read and write one prompt-KV pool that
+grows in powers of two (dropping the graphs, which hold its address). Graphs are captured
+on first use of a shape, after one eager warm-up run that compiles the Triton kernels, and
+kept in an LRU; all share one memory pool, which is safe because replays never overlap (a
+lock serializes launches, and one lane's batches queue on one stream) and each batch's
+results are copied out, in stream order, before the next batch's replays. Batches beyond
+``max_requests`` or ``max_prefill_tokens`` run eagerly, with a log line.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from xgr.core import XgrError
+from xgr.engine.inputs import BatchInputs, InputStaging, padding_segments
 from xgr.kv import SharedKV, kv_buffers
 
 logger = logging.getLogger(__name__)
@@ -81,15 +84,9 @@ def _next_power_of_two(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _padding_segments(padding: int, stand_ins: int) -> tuple[int, int]:
-    """Lengths of a packed prefill's padding sequences: ``stand_ins`` of the first value (the
-    absent requests), then one of the second (the rest); padding > stand_ins tokens.
-
-    Spreading the padding keeps every sequence short, so the attention's max-length bound
-    (and with it the grid) follows the real prompts.
-    """
-    seg = padding // (stand_ins + 1)
-    return seg, padding - stand_ins * seg
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors are the same elements of the same memory."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
 
 
 class CaptureGate:
@@ -247,7 +244,7 @@ def exclusive_stream(owner: object, device: torch.device, use: str) -> torch.cud
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    inputs: tuple[torch.Tensor, ...]  # static inputs, copied into before each replay
+    inputs: tuple[torch.Tensor, ...]  # static inputs: staging views, or copied into
     outputs: tuple[torch.Tensor, ...]  # static outputs, valid until the next replay
 
 
@@ -282,6 +279,7 @@ class CudaGraphs:
         self._pool_token_major: torch.Tensor | None = None  # what k and v view, if any
         self._mempool = None
         self._capture_stream: torch.cuda.Stream | None = None
+        self._staging: InputStaging | None = None
         self.captures = 0  # graphs captured so far (for tests and logs)
 
     def accepts(self, num_requests: int) -> bool:
@@ -295,23 +293,49 @@ class CudaGraphs:
         )
         return False
 
-    def prefill_accepts(self, inputs) -> bool:
-        """Whether a batch's prefill replays a graph (else: eager, logged).
+    def stage(self, prompts) -> BatchInputs | None:
+        """A batch's inputs written where its prefill graph reads them (``InputStaging``),
+        in one copy on the current stream; None where its prefill runs eagerly (logged).
 
         Several requests share one padded buffer through the packed attention launch (used
         for fp16/bf16); a float32 batch of several requests prefills eagerly (without a log
         line: expected).
+
+        Args:
+            prompts: R non-empty token sequences (lists or int64 arrays).
         """
-        if self.prefill_key(inputs.seqlens) is not None:
-            return True
-        if not self._eager_kind(inputs.num_requests):  # then the size is the reason
-            logger.info(
-                "prefill of %d tokens (longest prompt %d) is above the CUDA-graph limits: "
-                "running it eagerly",
-                inputs.num_tokens,
-                inputs.max_seqlen,
-            )
-        return False
+        lens = [len(p) for p in prompts]
+        key = self.prefill_key(lens)
+        if key is None:
+            if not self._eager_kind(len(lens)):  # then the size is the reason
+                logger.info(
+                    "prefill of %d tokens (longest prompt %d) is above the CUDA-graph limits: "
+                    "running it eagerly",
+                    sum(lens),
+                    max(lens),
+                )
+            return None
+        _, slots, padded, _ = key
+        staging = self._staging_buffer()
+        decoder_only = key[0] == "prefill"
+        return staging.stage(prompts, slots, padded, decoder_only, key)
+
+    @property
+    def _staging_limits(self) -> tuple[int, int]:
+        return self.max_requests, self.max_prefill_tokens
+
+    def _staging_buffer(self) -> InputStaging:
+        """The staging buffer, made at first use (or again, dropping every graph, after
+        ``max_requests`` or ``max_prefill_tokens`` changed)."""
+        limits = self._staging_limits
+        staging = self._staging
+        if staging is None or (staging.max_requests, staging.max_tokens) != limits:
+            device = self.model.lm_head.weight.device
+            if staging is not None:
+                torch.cuda.synchronize(device)  # a launched batch may read it
+                self._drop_graphs()  # they read the old buffer
+            self._staging = InputStaging(*limits, device)
+        return self._staging
 
     @property
     def pool_tokens(self) -> int:
@@ -345,10 +369,7 @@ class CudaGraphs:
             shape = (layers, tokens, heads, head_dim)
             if self._pool_k is not None and self._pool_k.is_cuda:  # a launched batch may use it
                 torch.cuda.synchronize(weight.device)
-            self._graphs.clear()  # they hold the old pool's address
-            # With its last graph gone the memory pool is released, and PyTorch refuses a
-            # new capture into a released pool (an internal assert): take a fresh one.
-            self._mempool = None
+            self._drop_graphs()  # they hold the old pool's address
             self._pool_k = self._pool_v = self._pool_token_major = None
             self._pool_k, self._pool_v, self._pool_token_major = kv_buffers(
                 *shape, weight.dtype, weight.device, self.model.token_major_shared_kv
@@ -356,77 +377,85 @@ class CudaGraphs:
             gib = 2 * self._pool_k.nbytes / 2**30
             logger.info("prompt-KV pool: %d tokens (%.2f GiB)", tokens, gib)
 
-    def replay_prefill(self, inputs) -> torch.Tensor:
-        """Prefill a batch from its bucket's graph (``prefill_key``); writes the pool's KV.
+    def _drop_graphs(self) -> None:
+        self._graphs.clear()
+        # With its last graph gone the memory pool is released, and PyTorch refuses a new
+        # capture into a released pool (an internal assert): take a fresh one.
+        self._mempool = None
+
+    def replay_prefill(self, inputs: BatchInputs) -> torch.Tensor | None:
+        """Prefill a batch from its bucket's graph; writes the pool's KV.
+
+        Args:
+            inputs: the batch as ``stage`` wrote it.
 
         Returns:
-            (R, hidden) graph-owned final hidden state of each prompt's last token.
+            (R, hidden) graph-owned final hidden state of each prompt's last token; None for
+            an encoder-decoder (its encoder writes the cross-attention K/V).
+
+        Raises:
+            ValueError: the inputs were not staged (``prepare_inputs`` packs for eager runs).
         """
-        from xgr.engine.generate import PREFILL_PAD_TOKEN
         from xgr.layers.attention import PrefillMetadata
 
-        num = inputs.num_requests
-        key = self.prefill_key(inputs.seqlens)
+        key = inputs.prefill_key
+        if key is None:
+            raise ValueError("replay_prefill needs inputs from CudaGraphs.stage")
         if key[0] == "encode":
-            self._replay_encode(key, inputs)
+            self._replay_encode(key)
             return None
         _, slots, padded, max_seqlen = key
         self.shared_kv(inputs, padded)
+        staging = self._staging
 
         def build():
-            device = inputs.tokens.device
-            tokens = torch.full((padded,), PREFILL_PAD_TOKEN, dtype=torch.int64, device=device)
-            positions = torch.zeros_like(tokens)
-            cu = torch.full((slots + 2,), padded, dtype=torch.int32, device=device)
-            last = torch.zeros(slots, dtype=torch.int64, device=device)
+            cu = staging.cu_seqlens_int32(slots + 2)
+            last = staging.region("last_index", slots)
             shared = self._pool(cu, [])
             # One request: a causal pass over the whole buffer (padding last changes nothing
             # before it); several: the packed attention launch keeps the sequences apart.
             meta = PrefillMetadata(
-                shared, [0, padded], cu, max_seqlen, packed=num > 1, output_rows=last
+                shared, [0, padded], cu, max_seqlen, packed=slots > 1, output_rows=last
             )
+            tokens = staging.region("tokens", padded)
+            positions = staging.region("positions", padded, padded)
 
             def run():
                 return (self.model(tokens, positions, meta),)
 
-            return (tokens, positions, cu, last), run
+            return (tokens,), run
 
-        entry = self._replay(key, build, lambda static: self._fill_prefill(static, inputs))
-        return entry.outputs[0][:num]
+        entry = self._replay(key, build)
+        return entry.outputs[0][: inputs.num_requests]
 
-    def _replay_encode(self, key: tuple, inputs) -> None:
+    def _replay_encode(self, key: tuple) -> None:
         """Run an encoder-decoder's encoder from its graph (``T5Seq2SeqLM.encode_padded``):
         the cross-attention K/V of the batch's prompts land packed at the pool's start."""
         _, slots, padded, length = key
         self.reserve(padded)
+        staging = self._staging
 
         def build():
-            device = inputs.tokens.device
-            tokens = torch.zeros(padded, dtype=torch.int64, device=device)
-            lengths = torch.ones(slots, dtype=torch.int64, device=device)
-            shared = self._pool(inputs.cu_seqlens, [])
+            tokens = staging.region("tokens", padded)
+            lengths = staging.region("prompt_lens", slots)
+            shared = self._pool(staging.region("cu_seqlens", slots + 1), [])
 
             def run():
                 self.model.encode_padded(tokens, lengths, length, shared)
                 return ()
 
-            return (tokens, lengths), run
+            return (tokens,), run
 
-        self._replay(key, build, lambda static: self._fill_encode(static, inputs))
-
-    @staticmethod
-    def _fill_encode(static, inputs) -> None:
-        tokens, lengths = static
-        tokens[: inputs.num_tokens].copy_(inputs.tokens)
-        lengths[: inputs.num_requests].copy_(inputs.prompt_lens)
-        if inputs.num_requests < lengths.shape[0]:  # (an empty fill still costs a launch)
-            lengths[inputs.num_requests :] = 1  # absent requests: one token each
+        self._replay(key, build)
 
     def needs_capture(self, prompt_lens: list[int], beam_width: int, top_k: int) -> bool:
         """Whether running this batch would capture a graph or grow the KV pool."""
         num = len(prompt_lens)
         if num > self.max_requests:
             return False  # eager
+        staging = self._staging
+        if staging and (staging.max_requests, staging.max_tokens) != self._staging_limits:
+            return True  # a new staging buffer drops the graphs
         key = self.prefill_key(prompt_lens)
         if (key[2] if key else sum(prompt_lens)) > self.pool_tokens:
             return True
@@ -474,23 +503,9 @@ class CudaGraphs:
             return 1, padded, padded
         slots = self.max_requests
         padded = prefill_bucket(total + slots - num)
-        _, longest = _padding_segments(padded - total, slots - num)
+        _, longest = padding_segments(padded - total, slots - num)
         # A power of two: the bound is a graph key, and few keys cover any batch.
         return slots, padded, _next_power_of_two(max(max_seqlen, longest))
-
-    @staticmethod
-    def _fill_prefill(static, inputs) -> None:
-        tokens, positions, cu, last = static
-        total, num = inputs.num_tokens, inputs.num_requests
-        tokens[:total].copy_(inputs.tokens)
-        positions[:total].copy_(inputs.positions)
-        cu[: num + 1].copy_(inputs.cu_seqlens)
-        stand_ins = last.shape[0] - num
-        if stand_ins:
-            seg, _ = _padding_segments(tokens.shape[0] - total, stand_ins)
-            ends = torch.arange(1, stand_ins + 1, dtype=torch.int32, device=cu.device) * seg
-            torch.add(ends, total, out=cu[num + 1 : num + 1 + stand_ins])
-        last[:num].copy_(inputs.last_index)
 
     def replay_decode(self, spec, last_hidden, inputs, beam_width: int, top_k: int):
         """Run the decode levels of a prefilled batch from its shape's graph.
@@ -514,7 +529,15 @@ class CudaGraphs:
             batch = (last_hidden, inputs.prompt_lens, inputs.cu_seqlens)
 
         def build():
-            static = tuple(torch.empty_like(t) for t in batch)
+            # The offsets and lengths are the staging buffer's (a staged batch's own, no
+            # copy); the prefill's output is copied in (its graph, and so its address,
+            # depends on the prefill bucket).
+            staging = self._staging_buffer()
+            num = inputs.num_requests
+            static = (staging.region("cu_seqlens", num + 1),)
+            if not spec.model.is_encoder_decoder:
+                lens = staging.region("prompt_lens", num)
+                static = (torch.empty_like(last_hidden), lens, *static)
             shared = self._pool(static[-1], [])
             # The kernels read prompt offsets from the device; the host offsets of the
             # capturing batch reach only the torch reference attention, never used here.
@@ -530,26 +553,30 @@ class CudaGraphs:
 
         def fill(static):
             for dst, src in zip(static, batch, strict=True):
-                dst.copy_(src)
+                if not _same_view(dst, src):  # an eagerly prefilled batch's, or the hidden
+                    dst.copy_(src)
 
         return self._replay(key, build, fill).outputs
 
-    def _replay(self, key: tuple, build, fill) -> _Graph:
+    def _replay(self, key: tuple, build, fill=None) -> _Graph:
         """Replay ``key``'s graph, capturing it first when absent.
 
         Args:
             build: () -> (static input tensors, ``run``): the buffers a new graph reads and
                 the work it captures.
-            fill: copies this batch into the static inputs, before capture or replay.
+            fill: copies this batch into the static inputs, before capture or replay; None
+                where the batch is already there (staged).
         """
         entry = self._graphs.get(key)
         if entry is None:
             static, run = build()
-            fill(static)
+            if fill is not None:
+                fill(static)
             entry = self._capture(key, run, static)
         else:
             self._graphs.move_to_end(key)
-            fill(entry.inputs)
+            if fill is not None:
+                fill(entry.inputs)
         entry.graph.replay()
         return entry
 

@@ -26,12 +26,8 @@ from xgr.core import (
 )
 from xgr.engine.cuda_graph import CaptureGate, CudaGraphs, exclusive_stream
 from xgr.engine.decode import DecodeSpec
-from xgr.engine.generate import (
-    PREFILL_PAD_TOKEN,
-    PendingGeneration,
-    generate_semantic_ids,
-    launch_semantic_ids,
-)
+from xgr.engine.generate import PendingGeneration, generate_semantic_ids, launch_semantic_ids
+from xgr.engine.inputs import PREFILL_PAD_TOKEN
 from xgr.engine.model_folder import (
     DEFAULT_CATALOG_FILE,
     check_catalog_fingerprint,

@@ -26,24 +26,19 @@ replay CUDA graphs per batch shape (``xgr.engine.cuda_graph``).
 
 from __future__ import annotations
 
-import functools
-import itertools
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from xgr.engine.decode import DecodeSpec, decode_levels, decode_levels_encdec
+from xgr.engine.inputs import BatchInputs, prepare_inputs
 from xgr.kv import SharedKV
 from xgr.layers.attention import PrefillMetadata
 from xgr.models.decoder import CausalLM
 from xgr.models.t5 import T5Seq2SeqLM
-
-# Token id of a padded prefill's filler tokens (their results are never read).
-PREFILL_PAD_TOKEN = 0
 
 
 @dataclass
@@ -61,114 +56,6 @@ class GenerationOutput:
     scores: torch.Tensor
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
-
-
-class BatchInputs:
-    """A batch's inputs on the device, made from one host-to-device copy.
-
-    The device tensors are views of that copy, each made when first read (a view costs
-    ~1.5 us of host time, and an encoder-decoder batch reads three of the six).
-
-    Attributes:
-        tokens: (T,) int64 packed prompt tokens.
-        positions: (T,) int64 position of each token in its prompt.
-        last_index: (R,) int64 packed index of each prompt's last token.
-        prompt_lens: (R,) int64 prompt lengths (tokens).
-        cu_seqlens: (R + 1,) int64 prompt offsets.
-        cu_seqlens_int32: (R + 1,) int32 prompt offsets (the packed attention launch).
-        cu_seqlens_host: the same offsets as host ints.
-        max_seqlen: the longest prompt (tokens).
-    """
-
-    def __init__(self, packed: torch.Tensor, cu_seqlens_host: list[int], max_seqlen: int):
-        """``packed``: the device copy of ``prepare_inputs``' int64 buffer."""
-        self._packed = packed
-        self.cu_seqlens_host = cu_seqlens_host
-        self.max_seqlen = max_seqlen
-        self._starts = [0, *_packed_ends(self.num_tokens, self.num_requests)]
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.cu_seqlens_host) - 1
-
-    @property
-    def num_tokens(self) -> int:
-        return self.cu_seqlens_host[-1]
-
-    @property
-    def seqlens(self) -> list[int]:
-        cu = self.cu_seqlens_host
-        return [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
-
-    def _part(self, index: int) -> torch.Tensor:
-        """Part ``index`` of the packed buffer (``_packed_ends``' order)."""
-        return self._packed[self._starts[index] : self._starts[index + 1]]
-
-    @functools.cached_property
-    def tokens(self) -> torch.Tensor:
-        return self._part(0)
-
-    @functools.cached_property
-    def positions(self) -> torch.Tensor:
-        return self._part(1)
-
-    @functools.cached_property
-    def last_index(self) -> torch.Tensor:
-        return self._part(2)
-
-    @functools.cached_property
-    def prompt_lens(self) -> torch.Tensor:
-        return self._part(3)
-
-    @functools.cached_property
-    def cu_seqlens(self) -> torch.Tensor:
-        return self._part(4)
-
-    @functools.cached_property
-    def cu_seqlens_int32(self) -> torch.Tensor:
-        return self._part(5).view(torch.int32)[: self.num_requests + 1]
-
-
-def _packed_ends(total: int, num: int) -> list[int]:
-    """Where each part of a batch's int64 buffer ends, for ``total`` tokens of ``num``
-    prompts: tokens, positions, last indices, lengths, offsets, then the offsets again as
-    int32 in the last (num + 2) // 2 int64 slots. Plain ints: a NumPy call per value costs
-    more host time than the values (a few us each)."""
-    ends = [total, 2 * total, 2 * total + num, 2 * total + 2 * num, 2 * total + 3 * num + 1]
-    ends.append(ends[-1] + (num + 2) // 2)
-    return ends
-
-
-def prepare_inputs(prompts: Sequence[Sequence[int]], device: torch.device) -> BatchInputs:
-    """Pack R non-empty token sequences (lists, or int64 arrays, which are not converted
-    again) and copy them to ``device`` in one (async) transfer.
-
-    Returns:
-        The batch's inputs; on CUDA the copy is from pinned memory and does not block.
-    """
-    num = len(prompts)
-    lens = [len(p) for p in prompts]
-    cu = [0, *itertools.accumulate(lens)]
-    total = cu[-1]
-    # One int64 buffer with the offsets also as int32 (the packed attention launch's), so
-    # that one transfer brings everything and no cast runs on the device.
-    ends = _packed_ends(total, num)
-    # On CUDA the buffer is pinned from the start (no staging copy), so the transfer below
-    # is queued without waiting; the caching host allocator keeps it until the copy is done.
-    packed = torch.empty(ends[-1], dtype=torch.int64, pin_memory=device.type == "cuda")
-    host = packed.numpy()
-    offsets = np.array(cu, dtype=np.int64)
-    if num == 1:
-        host[:total] = prompts[0]
-        host[total : ends[1]] = np.arange(total)
-    else:
-        np.concatenate([np.asarray(p, dtype=np.int64) for p in prompts], out=host[:total])
-        host[total : ends[1]] = np.arange(total) - np.repeat(offsets[:-1], lens)
-    host[ends[1] : ends[2]] = offsets[1:] - 1
-    host[ends[2] : ends[3]] = lens
-    host[ends[3] : ends[4]] = offsets
-    host[ends[4] :].view(np.int32)[: num + 1] = offsets
-    return BatchInputs(packed.to(device, non_blocking=True), cu, max(lens))
 
 
 def prefill(model: CausalLM, inputs: BatchInputs, shared: SharedKV) -> torch.Tensor:
@@ -324,13 +211,15 @@ def _launch(spec, prompts, beam_width, top_k, graphs) -> PendingGeneration:
         events = _TIMING_EVENTS.take(index)
         events[0].record()
     start = time.perf_counter()
-    inputs = prepare_inputs(prompts, device)
     encdec = spec.model.is_encoder_decoder
-    use_graph = graphs is not None and graphs.accepts(inputs.num_requests)
+    use_graph = graphs is not None and graphs.accepts(len(prompts))
+    # A graphed prefill's inputs go straight to where its graph reads them.
+    inputs = graphs.stage(prompts) if use_graph else None
     last_hidden = None
-    if use_graph and graphs.prefill_accepts(inputs):
+    if inputs is not None:
         last_hidden = graphs.replay_prefill(inputs)
     else:
+        inputs = prepare_inputs(prompts, device)
         shared = graphs.shared_kv(inputs) if use_graph else allocate_shared_kv(spec.model, inputs)
         if encdec:  # the encoder writes every decoder layer's cross-attention K/V
             spec.model.encode(inputs.tokens, inputs.cu_seqlens_host, shared)

@@ -1,0 +1,312 @@
+"""A batch's inputs on the device, each batch brought there by one host-to-device copy.
+
+Two layouts of the same int64 values:
+
+- **packed** (``prepare_inputs``), for eager runs: tokens, positions, last-token indices,
+  lengths and offsets back to back, sized exactly for the batch;
+- **staged** (``InputStaging``), for CUDA graphs: one buffer per ``CudaGraphs`` laid out as
+  the graphs' static inputs, with room for the largest batch, so that a batch's one copy
+  lands where the graphs read and no device-to-device fill runs before a replay (each such
+  copy cost 10-20 us of host time on the H200 machine, and the device waited for them:
+  ``benchmarks/results/host-t5-request-s14-*``).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+# Token id of a padded prefill's filler tokens (their results are never read).
+PREFILL_PAD_TOKEN = 0
+
+
+class BatchInputs:
+    """A batch's inputs on the device: views of one int64 buffer, each made when first read
+    (a view costs ~1.5 us of host time, and an encoder-decoder batch reads few of them).
+
+    Attributes:
+        tokens: (T,) int64 packed prompt tokens.
+        positions: (T,) int64 position of each token in its prompt.
+        last_index: (R,) int64 packed index of each prompt's last token.
+        prompt_lens: (R,) int64 prompt lengths (tokens).
+        cu_seqlens: (R + 1,) int64 prompt offsets.
+        cu_seqlens_int32: (R + 1,) int32 prompt offsets (the packed attention launch).
+        cu_seqlens_host: the same offsets as host ints.
+        max_seqlen: the longest prompt (tokens).
+        prefill_key: the CUDA graph the batch's prefill replays (``CudaGraphs.prefill_key``)
+            when the inputs were staged for it; None for packed inputs.
+    """
+
+    def __init__(
+        self,
+        buffer: torch.Tensor,
+        layout: dict[str, tuple[int, int]],
+        cu_seqlens_host: list[int],
+        max_seqlen: int,
+        prefill_key: tuple | None = None,
+    ):
+        """``buffer``: the device int64 buffer; ``layout``: each attribute's [start, stop)
+        in it (``cu_seqlens_int32``'s in int64 elements, holding R + 1 int32 values)."""
+        self._buffer = buffer
+        self._layout = layout
+        self.cu_seqlens_host = cu_seqlens_host
+        self.max_seqlen = max_seqlen
+        self.prefill_key = prefill_key
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.cu_seqlens_host) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.cu_seqlens_host[-1]
+
+    @property
+    def seqlens(self) -> list[int]:
+        cu = self.cu_seqlens_host
+        return [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
+
+    def _view(self, name: str) -> torch.Tensor:
+        start, stop = self._layout[name]
+        return self._buffer[start:stop]
+
+    @functools.cached_property
+    def tokens(self) -> torch.Tensor:
+        return self._view("tokens")
+
+    @functools.cached_property
+    def positions(self) -> torch.Tensor:
+        return self._view("positions")
+
+    @functools.cached_property
+    def last_index(self) -> torch.Tensor:
+        return self._view("last_index")
+
+    @functools.cached_property
+    def prompt_lens(self) -> torch.Tensor:
+        return self._view("prompt_lens")
+
+    @functools.cached_property
+    def cu_seqlens(self) -> torch.Tensor:
+        return self._view("cu_seqlens")
+
+    @functools.cached_property
+    def cu_seqlens_int32(self) -> torch.Tensor:
+        return self._view("cu_seqlens_int32").view(torch.int32)[: self.num_requests + 1]
+
+
+def _int32_slots(n: int) -> int:
+    """int64 elements holding n int32 values."""
+    return (n + 1) // 2
+
+
+def _packed_layout(total: int, num: int) -> dict[str, tuple[int, int]]:
+    """``prepare_inputs``' layout for ``total`` tokens of ``num`` prompts. Plain ints: a
+    NumPy call per value costs more host time than the values (a few us each)."""
+    ends = itertools.accumulate([total, total, num, num, num + 1, _int32_slots(num + 1)])
+    names = ("tokens", "positions", "last_index", "prompt_lens", "cu_seqlens", "cu_seqlens_int32")
+    layout, start = {}, 0
+    for name, stop in zip(names, ends, strict=True):
+        layout[name] = (start, stop)
+        start = stop
+    return layout
+
+
+def _offsets(prompts: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+    lens = [len(p) for p in prompts]
+    return lens, [0, *itertools.accumulate(lens)]
+
+
+def _write_tokens(host: np.ndarray, prompts: Sequence[Sequence[int]]) -> None:
+    """The prompts' tokens packed into ``host`` (int64, as long as their total)."""
+    if len(prompts) == 1:
+        host[:] = prompts[0]
+    else:
+        np.concatenate([np.asarray(p, dtype=np.int64) for p in prompts], out=host)
+
+
+def _write_positions(host: np.ndarray, lens: list[int], offsets: np.ndarray) -> None:
+    """Each packed token's position in its prompt, into ``host`` (int64, as long as the
+    prompts' total)."""
+    host[:] = np.arange(host.shape[0])
+    if len(lens) > 1:
+        host -= np.repeat(offsets[:-1], lens)
+
+
+def prepare_inputs(prompts: Sequence[Sequence[int]], device: torch.device) -> BatchInputs:
+    """Pack R non-empty token sequences (lists, or int64 arrays, which are not converted
+    again) and copy them to ``device`` in one (async) transfer; for eager runs (the CUDA
+    graphs read ``InputStaging``'s layout).
+
+    Returns:
+        The batch's packed inputs; on CUDA the copy is from pinned memory and does not block.
+    """
+    num = len(prompts)
+    lens, cu = _offsets(prompts)
+    layout = _packed_layout(cu[-1], num)
+    # On CUDA the buffer is pinned from the start (no staging copy), so the transfer below
+    # is queued without waiting; the caching host allocator keeps it until the copy is done.
+    packed = torch.empty(layout["cu_seqlens_int32"][1], dtype=torch.int64,
+                         pin_memory=device.type == "cuda")  # fmt: skip
+    host = packed.numpy()
+    offsets = np.array(cu, dtype=np.int64)
+
+    def part(name):
+        return host[slice(*layout[name])]
+
+    _write_tokens(part("tokens"), prompts)
+    _write_positions(part("positions"), lens, offsets)
+    part("last_index")[:] = offsets[1:] - 1
+    part("prompt_lens")[:] = lens
+    part("cu_seqlens")[:] = offsets
+    part("cu_seqlens_int32").view(np.int32)[: num + 1] = offsets
+    return BatchInputs(packed.to(device, non_blocking=True), layout, cu, max(lens))
+
+
+def padding_segments(padding: int, stand_ins: int) -> tuple[int, int]:
+    """Lengths of a packed prefill's padding sequences: ``stand_ins`` of the first value (the
+    absent requests), then one of the second (the rest); padding > stand_ins tokens.
+
+    Spreading the padding keeps every sequence short, so the attention's max-length bound
+    (and with it the grid) follows the real prompts.
+    """
+    seg = padding // (stand_ins + 1)
+    return seg, padding - stand_ins * seg
+
+
+class InputStaging:
+    """One device int64 buffer laid out as the CUDA graphs' static inputs; ``stage`` writes a
+    batch there with one host-to-device copy.
+
+    Layout, in int64 elements, for M = ``max_requests`` request slots and a prefill graph of
+    P padded tokens (header regions fixed; the token regions start at ``tokens_start``):
+
+    - ``cu_seqlens``: M + 1 prompt offsets (a batch of R uses R + 1);
+    - ``prompt_lens``: M lengths; absent request slots hold 1 (an encoder graph's stand-ins);
+    - ``last_index``: M packed last-token indices; absent slots hold 0;
+    - ``cu_seqlens_int32``: M + 2 int32 offsets of a packed prefill graph: the R prompts',
+      then the ends of the padding sequences standing in for absent requests
+      (``padding_segments``), then P;
+    - ``tokens``: P tokens (the prompts packed from the start, then ``PREFILL_PAD_TOKEN``);
+    - ``positions``: P positions (decoder-only models), right after the P tokens; 0 for
+      the padding.
+
+    Every graph reads its static inputs as views of this buffer at fixed addresses (those of
+    a P-token prefill overlap those of another P: replays never overlap, see
+    ``CudaGraphs``). The copy runs on the current stream, so a batch's copy lands after the
+    previous batch's replays on that stream have read theirs.
+
+    Args:
+        max_requests: M.
+        max_tokens: the largest P.
+        device: the CUDA device.
+    """
+
+    def __init__(self, max_requests: int, max_tokens: int, device: torch.device) -> None:
+        self.max_requests, self.max_tokens = max_requests, max_tokens
+        sizes = {
+            "cu_seqlens": max_requests + 1,
+            "prompt_lens": max_requests,
+            "last_index": max_requests,
+            "cu_seqlens_int32": _int32_slots(max_requests + 2),
+        }
+        self._header: dict[str, int] = {}
+        start = 0
+        for name, size in sizes.items():
+            self._header[name] = start
+            start += -(-size // 2) * 2  # 16-byte aligned regions
+        self.tokens_start = -(-start // 64) * 64
+        # Zeros: valid token ids and positions wherever a batch leaves the buffer unwritten.
+        self.buffer = torch.zeros(
+            self.tokens_start + 2 * max_tokens, dtype=torch.int64, device=device
+        )
+
+    def region(self, name: str, size: int, padded: int = 0) -> torch.Tensor:
+        """The first ``size`` elements of a region (``padded``: P, to place ``positions``)."""
+        if name == "tokens":
+            start = self.tokens_start
+        elif name == "positions":
+            start = self.tokens_start + padded
+        else:
+            start = self._header[name]
+        view = self.buffer[start : start + size]
+        return view.view(torch.int32)[: size * 2] if name == "cu_seqlens_int32" else view
+
+    def cu_seqlens_int32(self, entries: int) -> torch.Tensor:
+        """The first ``entries`` int32 offsets of the packed prefill."""
+        return self.region("cu_seqlens_int32", _int32_slots(entries))[:entries]
+
+    def stage(
+        self,
+        prompts: Sequence[Sequence[int]],
+        slots: int,
+        padded: int,
+        positions: bool,
+        prefill_key: tuple,
+    ) -> BatchInputs:
+        """Write R non-empty prompts (lists or int64 arrays) for a graph of ``slots``
+        request slots and ``padded`` tokens, in one async copy from pinned memory.
+
+        Args:
+            positions: whether the graph reads positions (decoder-only prefills); an
+                encoder graph reads only the tokens and lengths.
+            prefill_key: the graph's key, kept on the returned inputs.
+
+        Returns:
+            The batch's inputs as views of this buffer.
+
+        Raises:
+            ValueError: more prompts than ``slots``, ``slots`` above M, or more tokens than
+                ``padded``, or ``padded`` above ``max_tokens``.
+        """
+        num = len(prompts)
+        lens, cu = _offsets(prompts)
+        total = cu[-1]
+        if not num <= slots <= self.max_requests or not total <= padded <= self.max_tokens:
+            raise ValueError(
+                f"{num} prompts of {total} tokens do not fit a staged graph of {slots} slots "
+                f"and {padded} tokens (at most {self.max_requests} and {self.max_tokens})"
+            )
+        start = self.tokens_start
+        # A decoder-only graph reads all P tokens and positions: every one is written (an
+        # unwritten position could be a stale token id, past the rotary table).
+        stop = start + (2 * padded if positions else total)
+        staged = torch.empty(stop, dtype=torch.int64, pin_memory=self.buffer.is_cuda)
+        host = staged.numpy()
+        host[:start] = 0
+        offsets = np.array(cu, dtype=np.int64)
+        header = self._header
+        host[header["cu_seqlens"] :][: num + 1] = offsets
+        lens_region = host[header["prompt_lens"] :][:slots]
+        lens_region[:num] = lens
+        lens_region[num:] = 1
+        host[header["last_index"] :][:num] = offsets[1:] - 1
+        cu32 = host[header["cu_seqlens_int32"] :].view(np.int32)[: slots + 2]
+        cu32[: num + 1] = offsets
+        stand_ins = slots - num
+        if stand_ins:
+            seg, _ = padding_segments(padded - total, stand_ins)
+            cu32[num + 1 : slots + 1] = total + seg * np.arange(1, stand_ins + 1)
+        cu32[slots + 1] = padded
+        _write_tokens(host[start : start + total], prompts)
+        if positions:
+            host[start + total : start + padded] = PREFILL_PAD_TOKEN
+            _write_positions(host[start + padded :][:total], lens, offsets)
+            host[start + padded + total :] = 0
+        self.buffer[:stop].copy_(staged, non_blocking=True)
+        layout = {
+            "tokens": (start, start + total),
+            "positions": (start + padded, start + padded + total),
+            "cu_seqlens": (header["cu_seqlens"], header["cu_seqlens"] + num + 1),
+            "prompt_lens": (header["prompt_lens"], header["prompt_lens"] + num),
+            "last_index": (header["last_index"], header["last_index"] + num),
+            "cu_seqlens_int32": (
+                header["cu_seqlens_int32"],
+                header["cu_seqlens_int32"] + _int32_slots(num + 1),
+            ),
+        }
+        return BatchInputs(self.buffer, layout, cu, max(lens), prefill_key)
