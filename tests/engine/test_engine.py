@@ -544,6 +544,7 @@ def test_a_batch_whose_graphs_were_dropped_after_its_check_captures_alone(model_
     import threading
 
     import xgr.engine.engine as engine_module
+    import xgr.engine.results as results_module
     from xgr.engine.generate import PendingGeneration
 
     engine = make_engine(model_dirs, random_catalog(50, 3, 16, seed=17))
@@ -580,7 +581,7 @@ def test_a_batch_whose_graphs_were_dropped_after_its_check_captures_alone(model_
     engine._lanes = queue.SimpleQueue()
     for lane in (0, 0, 1, 1):
         engine._lanes.put(lane)
-    monkeypatch.setattr(engine, "_result", lambda *args: RecommendResult())
+    monkeypatch.setattr(results_module, "build_result", lambda *args: RecommendResult())
     x = threading.Thread(name="X", target=lambda: engine.recommend_async([[5]], 4, 4, 1))
     y = threading.Thread(
         name="Y",

@@ -6,7 +6,7 @@ import contextlib
 import logging
 import queue
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,17 +16,15 @@ from safetensors import SafetensorError
 
 from xgr.catalog import ItemCatalog, TitleIndex
 from xgr.core import (
-    ModelOutputError,
     PromptTooLongError,
-    Recommendation,
     RecommendResult,
     SearchParams,
     XgrError,
     positive_int,
 )
-from xgr.engine.cuda_graph import CaptureGate, CudaGraphs, exclusive_stream
+from xgr.engine.cuda_graph import CudaGraphs
 from xgr.engine.decode import DecodeSpec
-from xgr.engine.generate import PendingGeneration, generate_semantic_ids, launch_semantic_ids
+from xgr.engine.generate import generate_semantic_ids, launch_semantic_ids
 from xgr.engine.inputs import PREFILL_PAD_TOKEN
 from xgr.engine.model_folder import (
     DEFAULT_CATALOG_FILE,
@@ -35,7 +33,9 @@ from xgr.engine.model_folder import (
     load_tokenizer,
     resolve_device,
 )
-from xgr.engine.prompt import PromptFormat
+from xgr.engine.prompt import PromptFormat, integer_tokens, refuse_unknown_pieces
+from xgr.engine.results import PendingRecommendation, item_id_set
+from xgr.engine.streams import CaptureGate, exclusive_stream
 from xgr.engine.warm_up import warm_up_batches
 from xgr.kernels.backend import select_attention_backend
 from xgr.models import CausalLM, T5Seq2SeqLM, load_model
@@ -270,10 +270,10 @@ class Engine:
             if self.tokenizer is None:
                 raise XgrError("string prompts need a tokenizer in the model folder")
             encoding = self.tokenizer.encode(prompt, add_special_tokens=False)
-            _refuse_unknown_pieces(self.tokenizer, prompt, encoding)
+            refuse_unknown_pieces(self.tokenizer, prompt, encoding)
             tokens = np.array(encoding.ids, dtype=np.int64)
         else:
-            tokens = _integer_tokens(prompt)
+            tokens = integer_tokens(prompt)
         if not tokens.size:
             raise XgrError("empty prompt: at least one token is needed")
         if tokens.size > self.max_prompt_tokens:
@@ -362,7 +362,7 @@ class Engine:
                 )
             if len(exclude_item_ids) != len(prompts):
                 raise XgrError("exclude_item_ids needs one entry per prompt")
-            excluded = [_item_id_set(ids, i) for i, ids in enumerate(exclude_item_ids)]
+            excluded = [item_id_set(ids, i) for i, ids in enumerate(exclude_item_ids)]
         if not tokenized:
             return PendingRecommendation(self, None, [], [], [], None)
         lane = self._take_lane()
@@ -468,231 +468,3 @@ class Engine:
                     generate_semantic_ids(self.decode_spec, prompts, beam_width, top_k, graphs)
         torch.cuda.synchronize(self.device)
         return sum(g.captures for g in lanes) - before
-
-    def _result(
-        self,
-        sid_index: np.ndarray,
-        scores: np.ndarray,
-        num_results: int,
-        excluded: set[str],
-    ) -> RecommendResult:
-        result = RecommendResult()
-        taken = 0
-        for sid, score in _leading_beams(sid_index, scores, num_results):
-            if score == float("-inf") or (
-                taken == num_results and len(result.semantic_ids) == num_results
-            ):
-                break  # the rest of the beams (hundreds) would cost host time for nothing
-            codes = tuple(self.catalog.semantic_ids[sid].tolist())
-            if len(result.semantic_ids) < num_results:
-                result.semantic_ids.append((codes, score))
-            if taken == num_results:
-                continue
-            items = [i for i in self.catalog.items_of_semantic_id(sid) if i not in excluded]
-            result.items.extend(Recommendation(i, score, codes, self.titles.get(i)) for i in items)
-            taken += bool(items)
-        result.complete = taken == num_results
-        return result
-
-
-def _leading_beams(sid_index: np.ndarray, scores: np.ndarray, num_results: int):
-    """(semantic-ID row, score) of the beams best first, as Python ints and floats,
-    converted in growing blocks: a result usually needs the first ``num_results`` of
-    hundreds of beams (exclusions and collisions may need more)."""
-    start, size = 0, 2 * num_results + 8
-    while start < len(sid_index):
-        stop = start + size
-        yield from zip(sid_index[start:stop].tolist(), scores[start:stop].tolist(), strict=True)
-        start, size = stop, 2 * size
-
-
-def _integer_tokens(prompt: Any) -> np.ndarray:
-    """A sequence (list, tuple, range, 1-D array or tensor) of integer token ids as a new
-    (tokens,) integer array.
-
-    Raises:
-        XgrError: anything else (floats, bools, strings, nested lists, other shapes).
-    """
-    refusal = "a prompt is a string or a list of integer token ids"
-    if isinstance(prompt, np.ma.MaskedArray):  # its masked entries would escape the checks
-        raise XgrError(f"{refusal}, not a masked array")
-    if isinstance(prompt, bytes | bytearray | memoryview):
-        raise XgrError(refusal)
-    try:
-        if isinstance(prompt, np.ndarray) and prompt.dtype == object:
-            prompt = prompt.tolist()  # Python objects: checked one by one as a list is
-        elif not isinstance(prompt, np.ndarray | list | tuple) and hasattr(prompt, "tolist"):
-            prompt = prompt.tolist()  # torch tensors, array.array
-        elif isinstance(prompt, Sequence) and not isinstance(prompt, np.ndarray | list | tuple):
-            prompt = list(prompt)  # range and other sequences (str is refused below)
-    except Exception as exc:  # a tensor that cannot leave its device or layout, ...
-        raise XgrError(f"{refusal}: {exc}") from exc
-    if isinstance(prompt, np.ndarray):
-        if prompt.ndim != 1 or (prompt.size and prompt.dtype.kind not in "iu"):
-            raise XgrError(refusal)
-        return prompt.copy()
-    if not isinstance(prompt, list | tuple):
-        raise XgrError(refusal)
-    try:
-        tokens = np.array(prompt)
-    except Exception as exc:  # ragged nesting, beyond any integer type, unconvertible items
-        raise XgrError(refusal) from exc
-    if not tokens.size:
-        return tokens.astype(np.int64)
-    if tokens.ndim == 1 and tokens.dtype.kind in "fO":
-        # NumPy makes float64 of uint64 mixed with signed ints: such lists are checked item
-        # by item (an error path for every other list that lands here).
-        tokens = _integer_items(prompt, refusal)
-    if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
-        raise XgrError(refusal)
-    # NumPy reads True as 1 among ints; a bool (Python's, NumPy's, a 0-d bool array) can only
-    # have become a 0 or a 1.
-    for i in np.flatnonzero(tokens <= 1).tolist():
-        if np.asarray(prompt[i]).dtype.kind == "b":
-            raise XgrError(refusal)
-    return tokens
-
-
-def _integer_items(items: list | tuple, refusal: str) -> np.ndarray:
-    """Items that are each an integer (Python's or NumPy's, or a 0-d integer array or
-    tensor) as an int64 array.
-
-    Raises:
-        XgrError: an item that is not, or a value beyond int64.
-    """
-    values = []
-    for item in items:
-        if isinstance(item, int) and not isinstance(item, bool):
-            values.append(item)
-            continue
-        try:
-            value = np.asarray(item)
-        except Exception as exc:  # a tensor that cannot become an array
-            raise XgrError(refusal) from exc
-        if value.ndim != 0 or value.dtype.kind not in "iu":
-            raise XgrError(refusal)
-        values.append(int(value))
-    try:
-        return np.array(values, dtype=np.int64)
-    except OverflowError as exc:
-        raise XgrError(refusal) from exc
-
-
-def _item_id_set(ids: Any, index: int) -> set[str]:
-    """One prompt's ``exclude_item_ids`` entry as a set of item-id strings.
-
-    Raises:
-        XgrError: a string (one id must still be in a list) or anything not iterable.
-    """
-    if isinstance(ids, str | bytes | Mapping) or not isinstance(ids, Iterable):
-        raise XgrError(
-            f"exclude_item_ids[{index}] must be a list of item ids, got {type(ids).__name__}"
-        )
-    ids = list(ids)
-    # Item ids are strings (ints are read as their digits); a float such as 181.0 would be
-    # "181.0" and exclude nothing.
-    bad = [x for x in ids if isinstance(x, bool) or not isinstance(x, str | int | np.integer)]
-    if bad:
-        raise XgrError(f"exclude_item_ids[{index}] holds {bad[0]!r}: item ids are strings or ints")
-    return {str(x) for x in ids}
-
-
-class PendingRecommendation:
-    """A batch launched by ``Engine.recommend_async``: ``result()`` waits for it.
-
-    Not made directly. ``result()`` may be called from another thread than the launch, and
-    more than once, from several threads (the first call's outcome is kept).
-    """
-
-    def __init__(
-        self,
-        engine: Engine,
-        pending: PendingGeneration | None,
-        tokenized: list[np.ndarray],
-        params: list[SearchParams],
-        excluded: list[set[str]],
-        lane: int | None,
-    ) -> None:
-        self._engine, self._pending, self._tokenized = engine, pending, tokenized
-        self._params, self._excluded, self._lane = params, excluded, lane
-        self._results: list[RecommendResult] | None = [] if pending is None else None
-        self._error: BaseException | None = None
-        self._released = pending is None
-        self._collecting = threading.Lock()  # one collect, whichever threads ask
-
-    def result(self) -> list[RecommendResult]:
-        """One ``RecommendResult`` per prompt, in order.
-
-        Raises:
-            ModelOutputError: the model gave no finite log-probability for some prompt.
-        """
-        with self._collecting:
-            if self._results is None and self._error is None:
-                try:
-                    self._results = self._collect()
-                except BaseException as exc:
-                    self._error = exc
-        if self._error is not None:
-            raise self._error
-        return self._results
-
-    def _device_done(self) -> bool:
-        return self._pending.done()
-
-    def _release(self) -> None:
-        """Give the batch's lane back (once)."""
-        engine = self._engine
-        with engine._lane_lock:
-            if self._released:
-                return
-            self._released = True
-            engine._in_flight.pop(id(self), None)
-        engine._lanes.put(self._lane)
-
-    def _collect(self) -> list[RecommendResult]:
-        engine = self._engine
-        try:
-            out = self._pending.wait()
-        finally:  # the lane is free once the device is done with the batch
-            self._release()
-        sid_index, scores = out.sid_index.numpy(), out.scores.numpy()
-        # Every live beam has a valid continuation, so no finite score means NaN or -inf
-        # log-probabilities everywhere: a broken model or an overflowing dtype.
-        broken = [i for i in range(len(self._tokenized)) if not np.isfinite(scores[i, 0])]
-        if broken:
-            dtype = engine.model.lm_head.weight.dtype
-            hint = (
-                "check the weights for NaN or infinite values"
-                if dtype == torch.float32
-                else "try float32 or bfloat16"  # fp16 overflows where they do not
-            )
-            raise ModelOutputError(
-                f"the model gave no finite log-probability for prompts {broken[:10]} "
-                f"(dtype {dtype}); {hint}"
-            )
-        results = []
-        for i, tokens in enumerate(self._tokenized):
-            result = engine._result(
-                sid_index[i], scores[i], self._params[i].num_results, self._excluded[i]
-            )
-            result.prompt_tokens = len(tokens)
-            result.prefill_ms, result.decode_ms = out.prefill_ms, out.decode_ms
-            results.append(result)
-        return results
-
-
-def _refuse_unknown_pieces(tokenizer: Any, prompt: str, encoding: Any) -> None:
-    """Raise XgrError naming the first piece of ``prompt`` that the tokenizer could only map
-    to its unknown token (a typo such as ``<a_14 >`` would otherwise run as ``<unk>`` and
-    return results for a prompt nobody wrote). The unknown token written out is accepted.
-    Tokenizers without an unknown token (byte-level BPE) map every piece and pass."""
-    unk = getattr(tokenizer.model, "unk_token", None)
-    unk_id = tokenizer.token_to_id(unk) if unk else None
-    if unk_id is None:
-        return
-    for token_id, (start, end) in zip(encoding.ids, encoding.offsets, strict=True):
-        if token_id == unk_id and prompt[start:end] != unk:
-            raise XgrError(
-                f"unknown token {prompt[start:end]!r} at character {start} of the prompt: "
-                "not in the model's vocabulary"
-            )

@@ -114,3 +114,92 @@ class PromptFormat:
         if self.max_history_items is not None:
             num_items = min(num_items, self.max_history_items)
         return len(self.prefix) + num_items * num_levels + len(self.suffix)
+
+
+def integer_tokens(prompt: Any) -> np.ndarray:
+    """A sequence (list, tuple, range, 1-D array or tensor) of integer token ids as a new
+    (tokens,) integer array.
+
+    Raises:
+        XgrError: anything else (floats, bools, strings, nested lists, other shapes).
+    """
+    refusal = "a prompt is a string or a list of integer token ids"
+    if isinstance(prompt, np.ma.MaskedArray):  # its masked entries would escape the checks
+        raise XgrError(f"{refusal}, not a masked array")
+    if isinstance(prompt, bytes | bytearray | memoryview):
+        raise XgrError(refusal)
+    try:
+        if isinstance(prompt, np.ndarray) and prompt.dtype == object:
+            prompt = prompt.tolist()  # Python objects: checked one by one as a list is
+        elif not isinstance(prompt, np.ndarray | list | tuple) and hasattr(prompt, "tolist"):
+            prompt = prompt.tolist()  # torch tensors, array.array
+        elif isinstance(prompt, Sequence) and not isinstance(prompt, np.ndarray | list | tuple):
+            prompt = list(prompt)  # range and other sequences (str is refused below)
+    except Exception as exc:  # a tensor that cannot leave its device or layout, ...
+        raise XgrError(f"{refusal}: {exc}") from exc
+    if isinstance(prompt, np.ndarray):
+        if prompt.ndim != 1 or (prompt.size and prompt.dtype.kind not in "iu"):
+            raise XgrError(refusal)
+        return prompt.copy()
+    if not isinstance(prompt, list | tuple):
+        raise XgrError(refusal)
+    try:
+        tokens = np.array(prompt)
+    except Exception as exc:  # ragged nesting, beyond any integer type, unconvertible items
+        raise XgrError(refusal) from exc
+    if not tokens.size:
+        return tokens.astype(np.int64)
+    if tokens.ndim == 1 and tokens.dtype.kind in "fO":
+        # NumPy makes float64 of uint64 mixed with signed ints: such lists are checked item
+        # by item (an error path for every other list that lands here).
+        tokens = _integer_items(prompt, refusal)
+    if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+        raise XgrError(refusal)
+    # NumPy reads True as 1 among ints; a bool (Python's, NumPy's, a 0-d bool array) can only
+    # have become a 0 or a 1.
+    for i in np.flatnonzero(tokens <= 1).tolist():
+        if np.asarray(prompt[i]).dtype.kind == "b":
+            raise XgrError(refusal)
+    return tokens
+
+
+def _integer_items(items: list | tuple, refusal: str) -> np.ndarray:
+    """Items that are each an integer (Python's or NumPy's, or a 0-d integer array or
+    tensor) as an int64 array.
+
+    Raises:
+        XgrError: an item that is not, or a value beyond int64.
+    """
+    values = []
+    for item in items:
+        if isinstance(item, int) and not isinstance(item, bool):
+            values.append(item)
+            continue
+        try:
+            value = np.asarray(item)
+        except Exception as exc:  # a tensor that cannot become an array
+            raise XgrError(refusal) from exc
+        if value.ndim != 0 or value.dtype.kind not in "iu":
+            raise XgrError(refusal)
+        values.append(int(value))
+    try:
+        return np.array(values, dtype=np.int64)
+    except OverflowError as exc:
+        raise XgrError(refusal) from exc
+
+
+def refuse_unknown_pieces(tokenizer: Any, prompt: str, encoding: Any) -> None:
+    """Raise XgrError naming the first piece of ``prompt`` that the tokenizer could only map
+    to its unknown token (a typo such as ``<a_14 >`` would otherwise run as ``<unk>`` and
+    return results for a prompt nobody wrote). The unknown token written out is accepted.
+    Tokenizers without an unknown token (byte-level BPE) map every piece and pass."""
+    unk = getattr(tokenizer.model, "unk_token", None)
+    unk_id = tokenizer.token_to_id(unk) if unk else None
+    if unk_id is None:
+        return
+    for token_id, (start, end) in zip(encoding.ids, encoding.offsets, strict=True):
+        if token_id == unk_id and prompt[start:end] != unk:
+            raise XgrError(
+                f"unknown token {prompt[start:end]!r} at character {start} of the prompt: "
+                "not in the model's vocabulary"
+            )

@@ -1,16 +1,16 @@
 """Request scheduling: batches by token budget, size and deadlines; serving metrics."""
 
-from xgr.scheduler.batcher import (
+from xgr.scheduler.batcher import RequestBatcher
+from xgr.scheduler.metrics import ServingMetrics
+from xgr.scheduler.requests import (
     Answer,
     DeadlineExceededError,
     LatencyModel,
     QueuedRequest,
     QueueFullError,
-    RequestBatcher,
     ShuttingDownError,
     http_status,
 )
-from xgr.scheduler.metrics import ServingMetrics
 
 __all__ = [
     "Answer",

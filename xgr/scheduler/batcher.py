@@ -29,19 +29,19 @@ import asyncio
 import math
 import statistics
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
-from xgr.core import (
-    ModelOutputError,
-    PromptTooLongError,
-    RecommendResult,
-    XgrError,
-    positive_int,
-)
+from xgr.core import XgrError, positive_int
 from xgr.scheduler.metrics import RequestTimes, ServingMetrics
+from xgr.scheduler.requests import (
+    Answer,
+    DeadlineExceededError,
+    LatencyModel,
+    QueuedRequest,
+    QueueFullError,
+    ShuttingDownError,
+    check_max_batch_ms,
+)
 
 # Reported for every answered request: all semantic IDs have a fixed number of levels.
 FINISHED_REASON = "length"
@@ -51,107 +51,6 @@ LAUNCH_LEAD_FACTOR = 2.0
 LAUNCH_LEAD_MARGIN = 0.002
 LAUNCH_WINDOW = 16  # recent launches whose median is the launch time
 DEFAULT_LAUNCH_SECONDS = 0.003
-
-
-class DeadlineExceededError(XgrError):
-    """The request's deadline passed, or cannot be met, before its batch starts (504)."""
-
-
-class QueueFullError(XgrError):
-    """The queue holds ``max_queue`` requests (429); ``retry_after`` in seconds (>= 1)."""
-
-    def __init__(self, message: str, retry_after: int) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class ShuttingDownError(XgrError):
-    """The scheduler is draining or stopped and admits no new request (503)."""
-
-
-def http_status(exc: XgrError) -> int:
-    """The HTTP status a serving error is answered with (the server's and the in-process
-    load generator's one table): 500 model failure, 413 prompt too long, 429 queue full,
-    503 shutting down, 504 deadline; any other ``XgrError`` is bad input (400)."""
-    table = (
-        (ModelOutputError, 500),  # the model's numbers, not the request, are at fault
-        (PromptTooLongError, 413),
-        (QueueFullError, 429),
-        (ShuttingDownError, 503),
-        (DeadlineExceededError, 504),
-    )
-    return next((status for cls, status in table if isinstance(exc, cls)), 400)
-
-
-def check_max_batch_ms(value: float | None) -> None:
-    """Raise XgrError unless value is None or a positive, finite number (ms)."""
-    if value is not None and (
-        isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf
-    ):
-        raise XgrError(f"max_batch_ms must be a positive number of ms, got {value!r}")
-
-
-@dataclass
-class LatencyModel:
-    """Predicted batch run time from measured seconds per scheduled token.
-
-    Attributes:
-        window: recent batches kept; the prediction uses the fastest of them, so a single
-            slow batch cannot make deadlines look impossible (and, refused, never run again
-            to correct it).
-        rates: seconds per scheduled token of the recent batches, newest last.
-    """
-
-    window: int = 16
-    rates: list[float] = field(default_factory=list)
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        self.rates.append(seconds / max(tokens, 1))
-        del self.rates[: -self.window]
-
-    @property
-    def seconds_per_token(self) -> float | None:
-        return min(self.rates) if self.rates else None
-
-    def predict(self, tokens: int) -> float:
-        """Seconds for a batch of ``tokens`` scheduled tokens; 0 before any measurement."""
-        rate = self.seconds_per_token
-        return 0.0 if rate is None else rate * tokens
-
-
-@dataclass
-class QueuedRequest:
-    """One request waiting for a batch.
-
-    Attributes:
-        prompt: token ids, already validated by the engine: a list, or the (tokens,) int64
-            array of ``Engine.token_ids``, which the engine checks again in microseconds.
-        beam_width, top_k, num_results: search parameters, already validated.
-        exclude: item ids left out of the result.
-        deadline: ``time.perf_counter()`` after which it is not started; None for no deadline.
-        recorded: counted in the metrics (False for the server's own warm-up request).
-        future, deadline_timer: set when queued (the answer; the timer that answers 504 at
-            the deadline if the request is still waiting, cancelled with the answer).
-    """
-
-    prompt: list[int] | np.ndarray
-    beam_width: int
-    top_k: int
-    num_results: int
-    exclude: frozenset[str] = frozenset()
-    deadline: float | None = None
-    arrived: float = field(default_factory=time.perf_counter)
-    recorded: bool = True
-    future: asyncio.Future | None = None
-    deadline_timer: asyncio.TimerHandle | None = None
-
-
-@dataclass(frozen=True)
-class Answer:
-    """What a request gets back: the result and its phase times in seconds."""
-
-    result: RecommendResult
-    times: RequestTimes
 
 
 class RequestBatcher:

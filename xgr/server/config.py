@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from xgr.core import XgrError, positive_int
-from xgr.scheduler.batcher import check_max_batch_ms
+from xgr.scheduler.requests import check_max_batch_ms
 from xgr.server.schemas import MAX_BEAM_WIDTH
 
 

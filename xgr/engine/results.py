@@ -1,0 +1,172 @@
+"""A launched batch's results: waiting for the device, then the items of each prompt's
+best beams on the host."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from xgr.catalog import ItemCatalog, TitleIndex
+from xgr.core import ModelOutputError, Recommendation, RecommendResult, SearchParams, XgrError
+from xgr.engine.generate import PendingGeneration
+
+
+class PendingRecommendation:
+    """A batch launched by ``Engine.recommend_async``: ``result()`` waits for it.
+
+    Not made directly. ``result()`` may be called from another thread than the launch, and
+    more than once, from several threads (the first call's outcome is kept).
+    """
+
+    def __init__(
+        self,
+        engine,  # the Engine that launched the batch
+        pending: PendingGeneration | None,
+        tokenized: list[np.ndarray],
+        params: list[SearchParams],
+        excluded: list[set[str]],
+        lane: int | None,
+    ) -> None:
+        self._engine, self._pending, self._tokenized = engine, pending, tokenized
+        self._params, self._excluded, self._lane = params, excluded, lane
+        self._results: list[RecommendResult] | None = [] if pending is None else None
+        self._error: BaseException | None = None
+        self._released = pending is None
+        self._collecting = threading.Lock()  # one collect, whichever threads ask
+
+    def result(self) -> list[RecommendResult]:
+        """One ``RecommendResult`` per prompt, in order.
+
+        Raises:
+            ModelOutputError: the model gave no finite log-probability for some prompt.
+        """
+        with self._collecting:
+            if self._results is None and self._error is None:
+                try:
+                    self._results = self._collect()
+                except BaseException as exc:
+                    self._error = exc
+        if self._error is not None:
+            raise self._error
+        return self._results
+
+    def _device_done(self) -> bool:
+        return self._pending.done()
+
+    def _release(self) -> None:
+        """Give the batch's lane back (once)."""
+        engine = self._engine
+        with engine._lane_lock:
+            if self._released:
+                return
+            self._released = True
+            engine._in_flight.pop(id(self), None)
+        engine._lanes.put(self._lane)
+
+    def _collect(self) -> list[RecommendResult]:
+        engine = self._engine
+        try:
+            out = self._pending.wait()
+        finally:  # the lane is free once the device is done with the batch
+            self._release()
+        sid_index, scores = out.sid_index.numpy(), out.scores.numpy()
+        # Every live beam has a valid continuation, so no finite score means NaN or -inf
+        # log-probabilities everywhere: a broken model or an overflowing dtype.
+        broken = [i for i in range(len(self._tokenized)) if not np.isfinite(scores[i, 0])]
+        if broken:
+            dtype = engine.model.lm_head.weight.dtype
+            hint = (
+                "check the weights for NaN or infinite values"
+                if dtype == torch.float32
+                else "try float32 or bfloat16"  # fp16 overflows where they do not
+            )
+            raise ModelOutputError(
+                f"the model gave no finite log-probability for prompts {broken[:10]} "
+                f"(dtype {dtype}); {hint}"
+            )
+        results = []
+        for i, tokens in enumerate(self._tokenized):
+            result = build_result(
+                engine.catalog,
+                engine.titles,
+                sid_index[i],
+                scores[i],
+                self._params[i].num_results,
+                self._excluded[i],
+            )
+            result.prompt_tokens = len(tokens)
+            result.prefill_ms, result.decode_ms = out.prefill_ms, out.decode_ms
+            results.append(result)
+        return results
+
+
+def build_result(
+    catalog: ItemCatalog,
+    titles: TitleIndex,
+    sid_index: np.ndarray,
+    scores: np.ndarray,
+    num_results: int,
+    excluded: set[str],
+) -> RecommendResult:
+    """One prompt's ``RecommendResult`` from its final beams: the first ``num_results``
+    semantic IDs, and the items of the first ``num_results`` that have items left after
+    ``excluded`` (collisions: all of a semantic ID's items come back).
+
+    Args:
+        catalog, titles: the engine's catalog and item titles.
+        sid_index: (B,) int64 ``ItemCatalog.semantic_ids`` row of each beam, best first.
+        scores: (B,) float32 summed log-probabilities; -inf where no valid path was left.
+        num_results: semantic IDs wanted.
+        excluded: item ids to leave out of the items.
+    """
+    result = RecommendResult()
+    taken = 0
+    for sid, score in _leading_beams(sid_index, scores, num_results):
+        if score == float("-inf") or (
+            taken == num_results and len(result.semantic_ids) == num_results
+        ):
+            break  # the rest of the beams (hundreds) would cost host time for nothing
+        codes = tuple(catalog.semantic_ids[sid].tolist())
+        if len(result.semantic_ids) < num_results:
+            result.semantic_ids.append((codes, score))
+        if taken == num_results:
+            continue
+        items = [i for i in catalog.items_of_semantic_id(sid) if i not in excluded]
+        result.items.extend(Recommendation(i, score, codes, titles.get(i)) for i in items)
+        taken += bool(items)
+    result.complete = taken == num_results
+    return result
+
+
+def _leading_beams(sid_index: np.ndarray, scores: np.ndarray, num_results: int):
+    """(semantic-ID row, score) of the beams best first, as Python ints and floats,
+    converted in growing blocks: a result usually needs the first ``num_results`` of
+    hundreds of beams (exclusions and collisions may need more)."""
+    start, size = 0, 2 * num_results + 8
+    while start < len(sid_index):
+        stop = start + size
+        yield from zip(sid_index[start:stop].tolist(), scores[start:stop].tolist(), strict=True)
+        start, size = stop, 2 * size
+
+
+def item_id_set(ids: Any, index: int) -> set[str]:
+    """One prompt's ``exclude_item_ids`` entry as a set of item-id strings.
+
+    Raises:
+        XgrError: a string (one id must still be in a list) or anything not iterable.
+    """
+    if isinstance(ids, str | bytes | Mapping) or not isinstance(ids, Iterable):
+        raise XgrError(
+            f"exclude_item_ids[{index}] must be a list of item ids, got {type(ids).__name__}"
+        )
+    ids = list(ids)
+    # Item ids are strings (ints are read as their digits); a float such as 181.0 would be
+    # "181.0" and exclude nothing.
+    bad = [x for x in ids if isinstance(x, bool) or not isinstance(x, str | int | np.integer)]
+    if bad:
+        raise XgrError(f"exclude_item_ids[{index}] holds {bad[0]!r}: item ids are strings or ints")
+    return {str(x) for x in ids}
