@@ -325,6 +325,8 @@ def main() -> None:
         configs += [(4, lengths[0], beams[len(beams) // 2], r) for r in batches]
         for levels, length, beam_width, requests in configs:
             if device == "cuda":  # fresh graphs and prompt-KV pool: peak memory of this config
+                for engine in engines.values():  # the other engine's pool would count too
+                    engine.graphs = None
                 engines[levels].graphs = CudaGraphs(model)
                 gc.collect()
                 torch.cuda.empty_cache()
