@@ -18,7 +18,10 @@ from xgr.engine.cuda_graph import (
     prefill_bucket,
 )
 from xgr.engine.generate import _launch
+from xgr.engine.inputs import prepare_inputs
 from xgr.engine.warm_up import warm_up_batches
+from xgr.kernels.prefill_attention import prefill_attention_reference
+from xgr.layers import attention as attention_layers
 from xgr.models import CausalLM
 from xgr.models import t5 as t5_module
 from xgr.models.config import DecoderConfig, T5Config
@@ -170,3 +173,77 @@ def test_graph_buffers_give_the_eager_results_on_the_cpu(arch, model_dirs, tmp_p
         torch.testing.assert_close(got.scores, want.scores, atol=1e-5, rtol=1e-5)
     # Fewer graphs than batches: later batches replayed earlier captures.
     assert graphs.captures < 2 * len(batches)
+
+
+def _interpreted_engine(folder, offset, monkeypatch):
+    """An engine whose graphs are captured by re-running (``_capture_by_rerun``)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":  # tests/conftest.py sets it without a GPU
+        pytest.skip("Triton reads CPU tensors only interpreted; the GPU tests replay real graphs")
+    monkeypatch.setattr(CudaGraphs, "_capture", _capture_by_rerun)
+    catalog = random_catalog(300, 3, 16, seed=3)
+    engine = Engine.from_pretrained(
+        folder, catalog=catalog, sid_token_ids=sequential_sid_map(3, 16, offset)
+    )
+    engine.decode_spec.attention_backend = "triton"
+    return engine
+
+
+def _offsets_from_the_device(q, k, v, cu, scale, cu_device=None, max_seqlen=None, packed=None):
+    """The packed prefill attention as a graph runs it: the prompts' bounds come from the
+    device offsets (the batch's, then the stand-ins' padding sequences), not from ``cu``."""
+    if not packed:
+        return prefill_attention_reference(q, k, v, cu, scale)
+    offsets = cu_device.tolist()
+    assert offsets[0] == 0 and offsets[-1] == q.shape[0]
+    lengths = np.diff(offsets)
+    assert (lengths > 0).all() and lengths.max() <= max_seqlen
+    return prefill_attention_reference(q, k, v, offsets, scale)
+
+
+def test_packed_prefill_graphs_read_their_staged_offsets_on_the_cpu(model_dirs, monkeypatch):
+    """Batches of 1-4 prompts in random order through the packed prefill graphs (absent
+    requests standing in as padding sequences; too long and too many prompts eager),
+    against eager runs."""
+    engine = _interpreted_engine(model_dirs["qwen2"], 40, monkeypatch)
+    # float32 batches of several prompts replay the packed graph here, as bf16 ones do.
+    monkeypatch.setattr(CudaGraphs, "_eager_kind", lambda self, num: False)
+    monkeypatch.setattr(attention_layers, "prefill_attention", _offsets_from_the_device)
+    graphs = CudaGraphs(engine.model, max_requests=4, max_prefill_tokens=512)
+    rng = np.random.default_rng(0)
+    for _ in range(8):
+        lens = rng.integers(1, 160, rng.integers(1, 6)).tolist()
+        prompts = [rng.integers(2, 40, n).tolist() for n in lens]
+        want = _launch(engine.decode_spec, prompts, 8, 8, None).wait()
+        got = _launch(engine.decode_spec, prompts, 8, 8, graphs).wait()
+        assert torch.equal(got.sid_index, want.sid_index), lens
+        torch.testing.assert_close(got.scores, want.scores, atol=1e-4, rtol=1e-4)
+    assert any(key[0] == "prefill" and key[1] == 4 for key in graphs._graphs)
+
+
+def test_a_limit_change_rebuilds_the_staging_once_even_for_eager_prefills(model_dirs, monkeypatch):
+    """float32 batches of two prompts prefill eagerly and replay a decode graph; after a
+    limit changes the next batch rebuilds the staging buffer (dropping the graphs), as
+    ``needs_capture`` said it would, and later ones capture nothing."""
+    engine = _interpreted_engine(model_dirs["qwen2"], 40, monkeypatch)
+    graphs = CudaGraphs(engine.model, max_requests=4)
+    prompts = [[3, 4, 5], [6, 7]]
+    want = _launch(engine.decode_spec, prompts, 8, 8, None).wait()
+    assert graphs.stage(prompts) is None  # eager prefill
+    for change in (None, 1024, None, None):
+        if change:
+            graphs.max_prefill_tokens = change
+            assert graphs.needs_capture([3, 2], 8, 8)
+        got = _launch(engine.decode_spec, prompts, 8, 8, graphs).wait()
+        assert torch.equal(got.sid_index, want.sid_index)
+        assert not graphs.needs_capture([3, 2], 8, 8)
+    assert graphs.captures == 2  # the decode graph, then again after the rebuild
+
+
+def test_replay_prefill_refuses_inputs_staged_elsewhere():
+    model = tiny_model(torch.bfloat16)
+    first, second = CudaGraphs(model), CudaGraphs(model)
+    staged = first.stage([[5, 6, 7, 8]])
+    with pytest.raises(ValueError, match="stage"):
+        second.replay_prefill(staged)  # another CudaGraphs (another lane)
+    with pytest.raises(ValueError, match="stage"):
+        first.replay_prefill(prepare_inputs([[5, 6, 7, 8]], torch.device("cpu")))

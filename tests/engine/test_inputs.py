@@ -98,3 +98,17 @@ def test_staging_refuses_a_batch_beyond_its_graph():
         staging.stage([[1]], 4, 256, True, key)  # a bucket above max_tokens
     with pytest.raises(ValueError, match="do not fit"):
         staging.stage([[1]], 8, 64, True, key)  # more slots than max_requests
+    with pytest.raises(ValueError, match="absent prompt"):
+        staging.stage([[1] * 10], 4, 13, True, key)  # 3 tokens of padding for 3 stand-ins
+    with pytest.raises(ValueError, match="at least one"):
+        staging.stage([], 4, 128, True, key)
+    with pytest.raises(ValueError, match="at least one"):
+        staging.stage([[1, 2], []], 4, 128, True, key)
+
+
+def test_an_encoder_batch_is_staged_without_positions():
+    staging = InputStaging(max_requests=4, max_tokens=128, device=torch.device("cpu"))
+    staged = staging.stage([[1] * 10], 1, 10, False, ("encode", 1, 10, 10))  # no padding
+    assert staged.tokens.tolist() == [1] * 10
+    with pytest.raises(ValueError, match="no positions"):
+        _ = staged.positions

@@ -177,7 +177,8 @@ class CudaGraphs:
         if staging is None or (staging.max_requests, staging.max_tokens) != limits:
             device = self.model.lm_head.weight.device
             if staging is not None:
-                torch.cuda.synchronize(device)  # a launched batch may read it
+                if staging.buffer.is_cuda:
+                    torch.cuda.synchronize(device)  # a launched batch may read it
                 self._drop_graphs()  # they read the old buffer
             self._staging = InputStaging(*limits, device)
         return self._staging
@@ -232,7 +233,7 @@ class CudaGraphs:
         """Prefill a batch from its bucket's graph; writes the pool's KV.
 
         Args:
-            inputs: the batch as ``stage`` wrote it.
+            inputs: the batch as this object's ``stage`` wrote it, and nothing staged since.
 
         Returns:
             (R, hidden) graph-owned final hidden state of each prompt's last token; None for
@@ -243,15 +244,14 @@ class CudaGraphs:
         """
         from xgr.layers.attention import PrefillMetadata
 
-        key = inputs.prefill_key
-        if key is None:
-            raise ValueError("replay_prefill needs inputs from CudaGraphs.stage")
+        key, staging = inputs.prefill_key, self._staging
+        if key is None or staging is None or inputs.buffer is not staging.buffer:
+            raise ValueError("replay_prefill needs inputs from this CudaGraphs' stage()")
         if key[0] == "encode":
             self._replay_encode(key)
             return None
         _, slots, padded, max_seqlen = key
-        self.shared_kv(inputs, padded)
-        staging = self._staging
+        self.reserve(padded)
 
         def build():
             cu = staging.cu_seqlens_int32(slots + 2)
@@ -372,12 +372,14 @@ class CudaGraphs:
             batch = (inputs.cu_seqlens,)
         else:
             batch = (last_hidden, inputs.prompt_lens, inputs.cu_seqlens)
+        # Made again here after a limit changed, as ``needs_capture`` predicts, also for an
+        # eagerly prefilled batch.
+        staging = self._staging_buffer()
 
         def build():
             # The offsets and lengths are the staging buffer's (a staged batch's own, no
             # copy); the prefill's output is copied in (its graph, and so its address,
             # depends on the prefill bucket).
-            staging = self._staging_buffer()
             num = inputs.num_requests
             static = (staging.region("cu_seqlens", num + 1),)
             if not spec.model.is_encoder_decoder:

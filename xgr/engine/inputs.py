@@ -70,7 +70,14 @@ class BatchInputs:
         cu = self.cu_seqlens_host
         return [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
 
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The device buffer the views are of."""
+        return self._buffer
+
     def _view(self, name: str) -> torch.Tensor:
+        if name not in self._layout:  # an encoder's staged batch has no positions
+            raise ValueError(f"these inputs hold no {name}")
         start, stop = self._layout[name]
         return self._buffer[start:stop]
 
@@ -257,19 +264,31 @@ class InputStaging:
             prefill_key: the graph's key, kept on the returned inputs.
 
         Returns:
-            The batch's inputs as views of this buffer.
+            The batch's inputs as views of this buffer, valid until the next ``stage`` (an
+            encoder's hold no positions).
 
         Raises:
-            ValueError: more prompts than ``slots``, ``slots`` above M, or more tokens than
-                ``padded``, or ``padded`` above ``max_tokens``.
+            ValueError: no prompts or an empty one, more prompts than ``slots``, ``slots``
+                above M, more tokens than ``padded``, ``padded`` above ``max_tokens``, or
+                (``positions``) no more padding than absent prompts.
         """
         num = len(prompts)
         lens, cu = _offsets(prompts)
         total = cu[-1]
-        if not num <= slots <= self.max_requests or not total <= padded <= self.max_tokens:
+        if not num or not min(lens):
+            raise ValueError("staging needs at least one prompt, each of at least one token")
+        # A decoder-only graph's padding forms one sequence of at least a token per absent
+        # request plus one more (``padding_segments``).
+        padding = padded - total if positions else 0
+        if (
+            not num <= slots <= self.max_requests
+            or not total <= padded <= self.max_tokens
+            or (positions and padding <= slots - num)
+        ):
+            note = "; the padding needs more than a token per absent prompt" if positions else ""
             raise ValueError(
                 f"{num} prompts of {total} tokens do not fit a staged graph of {slots} slots "
-                f"and {padded} tokens (at most {self.max_requests} and {self.max_tokens})"
+                f"and {padded} tokens (at most {self.max_requests} and {self.max_tokens}{note})"
             )
         start = self.tokens_start
         # A decoder-only graph reads all P tokens and positions: every one is written (an
@@ -300,7 +319,6 @@ class InputStaging:
         self.buffer[:stop].copy_(staged, non_blocking=True)
         layout = {
             "tokens": (start, start + total),
-            "positions": (start + padded, start + padded + total),
             "cu_seqlens": (header["cu_seqlens"], header["cu_seqlens"] + num + 1),
             "prompt_lens": (header["prompt_lens"], header["prompt_lens"] + num),
             "last_index": (header["last_index"], header["last_index"] + num),
@@ -309,4 +327,6 @@ class InputStaging:
                 header["cu_seqlens_int32"] + _int32_slots(num + 1),
             ),
         }
+        if positions:
+            layout["positions"] = (start + padded, start + padded + total)
         return BatchInputs(self.buffer, layout, cu, max(lens), prefill_key)

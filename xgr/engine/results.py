@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from xgr.catalog import ItemCatalog, TitleIndex
+from xgr.catalog import ItemCatalog
 from xgr.core import ModelOutputError, Recommendation, RecommendResult, SearchParams, XgrError
 from xgr.engine.generate import PendingGeneration
 
@@ -106,7 +106,7 @@ class PendingRecommendation:
 
 def build_result(
     catalog: ItemCatalog,
-    titles: TitleIndex,
+    titles: dict[str, str],
     sid_index: np.ndarray,
     scores: np.ndarray,
     num_results: int,
@@ -117,7 +117,7 @@ def build_result(
     ``excluded`` (collisions: all of a semantic ID's items come back).
 
     Args:
-        catalog, titles: the engine's catalog and item titles.
+        catalog, titles: the engine's catalog and its item id -> title map.
         sid_index: (B,) int64 ``ItemCatalog.semantic_ids`` row of each beam, best first.
         scores: (B,) float32 summed log-probabilities; -inf where no valid path was left.
         num_results: semantic IDs wanted.
