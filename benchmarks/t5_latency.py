@@ -142,6 +142,9 @@ def main() -> None:
         " path only: --tiny and --profile run the encoder eagerly",
     )
     parser.add_argument(
+        "--reps", type=int, default=10, help="timed xgr requests per configuration (GPU)"
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="also profile the kernels of the last HF configuration's request",
@@ -155,7 +158,8 @@ def main() -> None:
         hf_configs = [("tiny", 90, 16)]
     else:
         shapes = {k: SHAPES[k] for k in args.shapes}
-        items, histories, beams, reps, hf_configs = 1_000_000, HISTORIES, BEAMS, 10, HF_CONFIGS
+        items, histories, beams, reps = 1_000_000, HISTORIES, BEAMS, args.reps
+        hf_configs = HF_CONFIGS
     report = {
         "benchmark": "T5 encoder-decoder, one request: xgr vs HF beam search (top_k = beam)",
         **run_environment(device),
@@ -164,6 +168,7 @@ def main() -> None:
         "levels": LEVELS,
         "codebook": CODEBOOK,
         "encoder_attention": args.encoder_attention,
+        "xgr_reps": reps,
         "results": [],
     }
     catalog = random_catalog(items, LEVELS)
