@@ -1,0 +1,245 @@
+"""The ``xgr`` command line: recommend, eval, serve and bench serve, on a model folder or the
+embedded demo."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import time
+from pathlib import Path
+
+import click
+
+from xgr.catalog.catalog import DEFAULT_LEVEL_NAMES
+from xgr.cli.options import STREAMS_OPTION, check_writable, engine_options, fail
+from xgr.core import MAX_BEAM_WIDTH, XgrError
+
+
+@click.group()
+@click.option("-v", "--verbose", is_flag=True, help="Log what the engine does.")
+def main(verbose: bool) -> None:
+    """xgr: generative recommendation by catalog-constrained beam search."""
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+
+
+@main.command()
+@engine_options
+@click.option(
+    "--history",
+    "history",
+    multiple=True,
+    required=True,
+    help="One history item, oldest first: an item id, a title with its year, or a "
+    "semantic ID like '<a_1><b_2><c_3>'. Repeat for each item.",
+)
+@click.option("--beam-width", default=64, show_default=True, help="Beams kept per decode step.")
+@click.option("--top-k", default=None, type=int, help="Candidates per beam (default beam width).")
+@click.option(
+    "--num-results",
+    default=10,
+    show_default=True,
+    help="Semantic IDs to return, best first; each brings all its items, so semantic-ID "
+    "collisions print more items than this.",
+)
+@click.option("--server", default=None, help="Ask a running `xgr serve` at this URL instead.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def recommend(
+    source,
+    history,
+    beam_width,
+    top_k,
+    num_results,
+    server,
+    as_json,
+) -> None:
+    """Recommend items for one user's history."""
+    search = {
+        "beam_width": beam_width,
+        "top_k": beam_width if top_k is None else top_k,
+        "num_results": num_results,
+    }
+    started = time.perf_counter()
+    if server is not None:
+        if source.given:
+            raise click.UsageError("--server asks a running server: drop --demo / --model")
+        from xgr.client import Client
+
+        try:
+            with Client(server) as client:
+                started = time.perf_counter()  # the request, not the client's set-up
+                result = client.recommend(list(history), **search)
+        except XgrError as exc:
+            fail(exc)
+        level_names = None
+    else:
+        from xgr.catalog import resolve_history
+
+        engine = source.load()
+        try:
+            resolved = resolve_history(engine.catalog, list(history), engine.title_index)
+            started = time.perf_counter()
+            (result,) = engine.recommend(
+                [engine.history_prompt(resolved.item_ids)],
+                exclude_item_ids=[resolved.excluded],
+                **search,
+            )
+        except XgrError as exc:
+            fail(exc)
+        level_names = engine.catalog.level_names
+    elapsed_ms = (time.perf_counter() - started) * 1e3
+    # Over HTTP the level letters are not sent back: the catalogs' usual a, b, c, ... are used.
+    letters = level_names or DEFAULT_LEVEL_NAMES
+    rows = [
+        {
+            "rank": rank,
+            "item_id": r.item_id,
+            "title": r.title,
+            "score": round(r.score, 4),
+            "semantic_id": "".join(
+                f"<{n}_{c}>" for n, c in zip(letters, r.semantic_id, strict=False)
+            ),
+        }
+        for rank, r in enumerate(result.items, 1)
+    ]
+    if as_json:
+        report = {"items": rows, "complete": result.complete, "latency_ms": round(elapsed_ms, 1)}
+        click.echo(json.dumps(report, indent=2))
+        return
+    for row in rows:
+        name = row["title"] or row["item_id"]
+        click.echo(f"{row['rank']:>3}. {name:<55} {row['score']:>9.4f}  {row['semantic_id']}")
+    if not result.complete:
+        found = len({r.semantic_id for r in result.items})
+        click.echo(
+            f"(only {found} of the {num_results} semantic IDs asked for have items outside "
+            f"the history among the {beam_width} final beams; a larger --beam-width may find "
+            "more)"
+        )
+    click.echo(f"(beam width {beam_width}, {elapsed_ms:.1f} ms)")
+
+
+@main.command("eval", short_help="Recall@K / NDCG@K of the demo model(s) on MovieLens.")
+@engine_options(demo_only=True)
+@click.option("--k", default=10, show_default=True, type=click.IntRange(1), help="Metric cut-off.")
+@click.option("--beam-width", default=64, show_default=True, type=click.IntRange(1))
+@click.option(
+    "--max-users", default=None, type=click.IntRange(min=1), help="Evaluate only the first users."
+)
+@click.option(
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Also write the figures as JSON here: one report, or with several --arch one per "
+    "architecture, keyed by its name.",
+)
+def evaluate(source, k, beam_width, max_users, output) -> None:
+    """Leave-one-out Recall@K / NDCG@K of the demo model next to a most-popular baseline.
+
+    Runs on the demo's MovieLens data, so it needs --demo. With several --arch, one row per
+    architecture's model on the same users.
+    """
+    from xgr.demo import evaluate_demo, load_movielens
+
+    if not source.demo:
+        raise click.UsageError("eval runs on the demo's data: pass --demo")
+    if beam_width < k:  # before the evaluation, not after it
+        raise click.UsageError(f"--beam-width {beam_width} is below --k {k}")
+    if beam_width > MAX_BEAM_WIDTH:
+        raise click.UsageError(f"--beam-width {beam_width} is above the limit {MAX_BEAM_WIDTH}")
+    if output is not None:
+        check_writable(output.expanduser(), "--output", source)
+    reports = {}
+    for arch_source in source.per_arch():
+        engine = arch_source.load()
+        try:
+            reports[arch_source.arch] = evaluate_demo(
+                engine,
+                load_movielens(source.cache_dir.expanduser()),
+                k=k,
+                beam_width=beam_width,
+                max_users=max_users,
+            )
+        except (XgrError, OSError) as exc:
+            fail(exc)
+    first = next(iter(reports.values()))  # the same users, so the same popularity figures
+    seconds = " + ".join(f"{r['seconds']} s" for r in reports.values())
+    click.echo(f"users: {first['users']}   beam width: {beam_width}   time: {seconds}")
+    click.echo(f"{'':<14}{'Recall@' + str(k):>12}{'NDCG@' + str(k):>12}")
+    rows = [(f"model ({arch})", r["model"]) for arch, r in reports.items()]
+    for name, scores in [*rows, ("popularity", first["popularity"])]:
+        click.echo(f"{name:<14}{scores[f'recall@{k}']:>12.4f}{scores[f'ndcg@{k}']:>12.4f}")
+    if output:
+        # One architecture keeps the single report's layout; several are keyed by arch.
+        written = first if len(reports) == 1 else reports
+        try:
+            output.expanduser().write_text(json.dumps(written, indent=2) + "\n")
+        except OSError as exc:
+            fail(exc)
+
+
+@main.command(short_help="Serve the HTTP API (recommend, completions, models, health, metrics).")
+@engine_options
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--max-beam-width", default=512, show_default=True, help="Largest beam width.")
+@click.option(
+    "--default-beam-width",
+    default=64,
+    show_default=True,
+    help="Beam width of completions that name none.",
+)
+@click.option("--max-batch-size", default=32, show_default=True, help="Requests per engine call.")
+@click.option("--max-body-bytes", default=1 << 20, show_default=True)
+@click.option(
+    "--max-batch-tokens",
+    default=1 << 20,
+    show_default=True,
+    help="Scheduled tokens (prompt + beam width x levels) per engine call.",
+)
+@click.option("--max-queue", default=4096, show_default=True, help="Waiting requests (then 429).")
+@STREAMS_OPTION
+@click.option(
+    "--max-batch-ms",
+    type=float,
+    default=None,
+    help="Longest predicted run time of a batch (ms); requests arriving meanwhile wait for it "
+    "(default: no limit).",
+)
+@click.option(
+    "--warm-up-tokens",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0),
+    help="On a GPU, capture before listening the CUDA graphs that batches of prompts of about "
+    "this many tokens (+-20%) need at the default beam width (0: capture on first use).",
+)
+def serve(source, host, port, warm_up_tokens, **limits) -> None:
+    """Serve the HTTP API: recommend, completions, models, health, ready, metrics."""
+    import uvicorn
+
+    from xgr.server.app import create_app
+    from xgr.server.config import ServerConfig
+
+    try:
+        config = ServerConfig(**limits)  # the options are named as its fields
+    except XgrError as exc:
+        fail(exc)
+    try:  # before the model loads: uvicorn would say only "Name or service not known"
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise click.UsageError(f"--host {host!r} cannot be resolved: {exc}") from exc
+    engine = source.load(cuda_streams=config.streams)
+    if warm_up_tokens:
+        beam = config.default_beam_width
+        try:
+            engine.warm_up(warm_up_tokens, beam, beam, config.max_batch_size)
+        except XgrError as exc:
+            fail(exc)
+    uvicorn.run(create_app(engine, config), host=host, port=port)
+
+
+# The bench group registers itself on ``main``.
+from xgr.cli import bench as _bench  # noqa: E402, F401
