@@ -152,6 +152,8 @@ def test_sigterm_finishes_admitted_requests(served_model_dir):
     import subprocess
     import sys
 
+    from prometheus_client.parser import text_string_to_metric_families
+
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -164,30 +166,35 @@ def test_sigterm_finishes_admitted_requests(served_model_dir):
     try:
         assert wait_until_ready(url, 90), "server did not start"
         catalog = Engine.from_pretrained(served_model_dir).catalog
-        # One request per batch: enough work that the queue is still long at the signal
-        # (a few ms each), so the drain is what answers most of them.
-        bodies = [{**b, "beam_width": 256} for b in random_requests(catalog, 200, seed=5)]
-        answered = []  # when each answer arrived
+        # One request per batch: the queue is still long once all are admitted.
+        bodies = [{**b, "beam_width": 256} for b in random_requests(catalog, 100, seed=5)]
 
-        async def post(client, body):
-            try:
-                return await client.post("/v1/recommend", json=body)
-            finally:
-                answered.append(time.monotonic())
+        counted = ("num_requests_waiting", "num_requests_running", "request_success_total")
+
+        async def load(client) -> dict[str, float]:
+            """The server's waiting, running and answered requests (its /metrics)."""
+            families = text_string_to_metric_families((await client.get("/metrics")).text)
+            samples = {s.name: s.value for family in families for s in family.samples}
+            return {name: samples.get(f"xgr:{name}", 0.0) for name in counted}
 
         async def send_all():
-            limits = httpx.Limits(max_connections=len(bodies))
+            limits = httpx.Limits(max_connections=len(bodies) + 1)
             async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
-                tasks = [asyncio.ensure_future(post(client, b)) for b in bodies]
-                await asyncio.sleep(0.3)  # all sent and queued
-                signalled.append(time.monotonic())
+                tasks = [
+                    asyncio.ensure_future(client.post("/v1/recommend", json=b)) for b in bodies
+                ]
+                # Signal once every request is admitted (a request the server has not read
+                # yet when it stops listening is not its to finish).
+                deadline = time.monotonic() + 60
+                while sum((seen := await load(client)).values()) < len(bodies):
+                    assert time.monotonic() < deadline, seen
+                    await asyncio.sleep(0.01)
                 server.send_signal(signal.SIGTERM)
-                return await asyncio.gather(*tasks, return_exceptions=True)
+                return seen, await asyncio.gather(*tasks, return_exceptions=True)
 
-        signalled = []
-        answers = asyncio.run(send_all())
+        at_signal, answers = asyncio.run(send_all())
         assert [getattr(a, "status_code", a) for a in answers] == [200] * len(bodies)
-        assert max(answered) > signalled[0]  # work was still queued at the signal
+        assert at_signal["num_requests_waiting"] > 0  # work was still queued at the signal
         # uvicorn shuts down gracefully, then re-raises the signal as its exit status.
         assert server.wait(60) in (0, -signal.SIGTERM)
         assert b"Finished server process" in server.stderr.read()
