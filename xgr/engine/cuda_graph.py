@@ -165,22 +165,24 @@ class CudaGraphs:
         decoder_only = key[0] == "prefill"
         return staging.stage(prompts, slots, padded, decoder_only, key)
 
-    @property
-    def _staging_limits(self) -> tuple[int, int]:
-        return self.max_requests, self.max_prefill_tokens
+    def _staging_stale(self) -> bool:
+        """Whether the staging buffer was made for other ``max_requests`` /
+        ``max_prefill_tokens`` than the current ones."""
+        staging = self._staging
+        limits = (self.max_requests, self.max_prefill_tokens)
+        return staging is not None and (staging.max_requests, staging.max_tokens) != limits
 
     def _staging_buffer(self) -> InputStaging:
         """The staging buffer, made at first use (or again, dropping every graph, after
         ``max_requests`` or ``max_prefill_tokens`` changed)."""
-        limits = self._staging_limits
-        staging = self._staging
-        if staging is None or (staging.max_requests, staging.max_tokens) != limits:
+        if self._staging_stale():
+            if self._staging.buffer.is_cuda:  # a launched batch may read it
+                torch.cuda.synchronize(self._staging.buffer.device)
+            self._drop_graphs()  # they read the old buffer
+            self._staging = None
+        if self._staging is None:
             device = self.model.lm_head.weight.device
-            if staging is not None:
-                if staging.buffer.is_cuda:
-                    torch.cuda.synchronize(device)  # a launched batch may read it
-                self._drop_graphs()  # they read the old buffer
-            self._staging = InputStaging(*limits, device)
+            self._staging = InputStaging(self.max_requests, self.max_prefill_tokens, device)
         return self._staging
 
     @property
@@ -298,8 +300,7 @@ class CudaGraphs:
         num = len(prompt_lens)
         if num > self.max_requests:
             return False  # eager
-        staging = self._staging
-        if staging and (staging.max_requests, staging.max_tokens) != self._staging_limits:
+        if self._staging_stale():
             return True  # a new staging buffer drops the graphs
         key = self.prefill_key(prompt_lens)
         if (key[2] if key else sum(prompt_lens)) > self.pool_tokens:
