@@ -13,6 +13,8 @@ peak-memory ratio and the top-10 overlap of the two.
 
 ``--encoder-attention sdpa`` runs the encoder's CUDA graph with SDPA and the square mask
 instead of xgr's Triton attention (the default: position bias read per offset).
+``--first-levels apart`` runs the decoder start step and level 1's forward one after the
+other instead of in one pass (``xgr.engine.decode.FIRST_LEVELS_TOGETHER``).
 
 With ``--profile`` it also prints (and stores in the JSON) the kernels of the last HF
 configuration's request, eager so that the profiler sees each kernel: device time per kernel
@@ -41,6 +43,7 @@ from e2e_latency import CODEBOOK, hf_generate, random_catalog, sid_token_map  # 
 from timing import run_environment, time_recommend  # noqa: E402
 
 from xgr import Engine  # noqa: E402
+from xgr.engine import decode as decode_module  # noqa: E402
 from xgr.models import t5 as t5_module  # noqa: E402
 
 LEVELS = 3
@@ -142,6 +145,14 @@ def main() -> None:
         " path only: --tiny and --profile run the encoder eagerly",
     )
     parser.add_argument(
+        "--first-levels",
+        choices=("together", "apart"),
+        default="together" if decode_module.FIRST_LEVELS_TOGETHER else "apart",
+        help="the decoder start step and level 1's forward in one pass where the beam holds"
+        " every first-level code (xgr.engine.decode.FIRST_LEVELS_TOGETHER), or one after the"
+        " other",
+    )
+    parser.add_argument(
         "--reps", type=int, default=10, help="timed xgr requests per configuration (GPU)"
     )
     parser.add_argument(
@@ -151,6 +162,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     t5_module.ENCODER_ATTENTION = args.encoder_attention
+    decode_module.FIRST_LEVELS_TOGETHER = args.first_levels == "together"
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
     if args.tiny:
@@ -168,6 +180,7 @@ def main() -> None:
         "levels": LEVELS,
         "codebook": CODEBOOK,
         "encoder_attention": args.encoder_attention,
+        "first_levels": args.first_levels,
         "xgr_reps": reps,
         "results": [],
     }

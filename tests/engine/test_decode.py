@@ -51,3 +51,55 @@ def test_live_rows_give_the_results_of_every_row(model_dirs, tmp_path, monkeypat
         scores = torch.tensor([s for _, s in got.semantic_ids])
         expected = torch.tensor([s for _, s in want.semantic_ids])
         torch.testing.assert_close(scores, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("num_levels", "beam_width", "top_k"), [(3, 40, 40), (3, 16, 5), (2, 20, 20), (4, 24, 8)]
+)
+def test_t5_first_levels_in_one_pass_give_the_results_step_by_step(
+    tmp_path, monkeypatch, num_levels, beam_width, top_k
+):
+    catalog = random_catalog(150 * num_levels, num_levels, 16, seed=num_levels)
+    sid_map = sequential_sid_map(num_levels, 16, OFFSET)
+    write_random_t5(tmp_path, "gated-gelu", False, vocab_size=OFFSET + 16 * num_levels, seed=7)
+    engine = Engine.from_pretrained(tmp_path, catalog=catalog, sid_token_ids=sid_map)
+    spec = engine.decode_spec
+    first_codes = {codes[0] for codes in catalog.semantic_ids.tolist()}
+    assert spec.first_codes.tolist() == sorted(first_codes)
+    assert decode.runs_first_levels_together(spec, beam_width)
+    passes = []
+    together = spec.model.decode_start_and_codes
+
+    def counted(*args):
+        passes.append(args[0].shape[0])
+        return together(*args)
+
+    monkeypatch.setattr(spec.model, "decode_start_and_codes", counted)
+    gen = torch.Generator().manual_seed(num_levels)
+    vocab = OFFSET + 16 * num_levels
+    prompts = [torch.randint(2, vocab, (n,), generator=gen).tolist() for n in (3, 17, 9)]
+    search = dict(beam_width=beam_width, top_k=top_k, num_results=beam_width)
+    got = engine.recommend(prompts, **search)
+    assert passes == [3 * (1 + spec.first_codes.shape[0])]  # one pass: 3 requests' rows
+    monkeypatch.setattr(decode, "FIRST_LEVELS_TOGETHER", False)
+    want = engine.recommend(prompts, **search)
+    assert len(passes) == 1
+    for got_one, want_one in zip(got, want, strict=True):
+        assert [c for c, _ in got_one.semantic_ids] == [c for c, _ in want_one.semantic_ids]
+        scores = torch.tensor([s for _, s in got_one.semantic_ids])
+        expected = torch.tensor([s for _, s in want_one.semantic_ids])
+        # Scores of about -30 nats: a few float32 ulps apart (GEMMs of other row counts).
+        torch.testing.assert_close(scores, expected, rtol=2e-6, atol=1e-5)
+
+
+def test_first_levels_run_apart_when_the_beam_cannot_hold_every_first_code(model_dirs, tmp_path):
+    catalog = random_catalog(300, 3, 16, seed=1)
+    sid_map = sequential_sid_map(3, 16, OFFSET)
+    write_random_t5(tmp_path, "relu", True, vocab_size=OFFSET + 48)
+    t5 = Engine.from_pretrained(tmp_path, catalog=catalog, sid_token_ids=sid_map).decode_spec
+    first = t5.first_codes.shape[0]
+    assert first == 16
+    assert decode.runs_first_levels_together(t5, first)
+    assert not decode.runs_first_levels_together(t5, first - 1)
+    qwen = Engine.from_pretrained(model_dirs["qwen3"], catalog=catalog, sid_token_ids=sid_map)
+    assert not decode.runs_first_levels_together(qwen.decode_spec, 64)  # decoder-only

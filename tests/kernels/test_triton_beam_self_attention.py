@@ -15,8 +15,14 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
-from xgr.kernels.beam_self_attention import beam_self_attention_reference  # noqa: E402
-from xgr.kernels.triton_beam_self_attention import beam_self_attention  # noqa: E402
+from xgr.kernels.beam_self_attention import (  # noqa: E402
+    beam_self_attention_reference,
+    start_and_codes_attention_reference,
+)
+from xgr.kernels.triton_beam_self_attention import (  # noqa: E402
+    beam_self_attention,
+    start_and_codes_attention,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
@@ -87,3 +93,65 @@ def test_bad_shapes_are_refused():
         beam_self_attention(q, k_new, v_new, beam_k, beam_v, ancestry, kv_rows, 3, bias)
     with pytest.raises(ValueError, match="bias"):
         beam_self_attention(q, k_new, v_new, beam_k, beam_v, ancestry, kv_rows, slot, bias[:, :1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("requests", "per_request", "heads", "head_dim"),
+    [(1, 5, 4, 16), (3, 7, 6, 64), (2, 1, 3, 24), (4, 17, 16, 64)],
+)
+def test_start_and_codes_kernel_equals_the_reference(dtype, requests, per_request, heads, head_dim):
+    gen = torch.Generator().manual_seed(requests * 131 + per_request)
+    rows = requests * per_request
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype=dtype, device=DEVICE)
+
+    q, k, v = randn(rows, 3, heads, head_dim).unbind(1)
+    # Two more beam rows than the pass (never written) and a third slot (never written).
+    beam_k = torch.full((rows + 2, 3, heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+    beam_v = beam_k.clone()
+    bias = randn(heads, 2)
+    ref_k, ref_v = beam_k.clone(), beam_v.clone()
+    want = start_and_codes_attention_reference(q, k, v, ref_k, ref_v, per_request, bias)
+    got = start_and_codes_attention(q, k, v, beam_k, beam_v, per_request, bias)
+    assert not got.isnan().any()
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(beam_k, ref_k, equal_nan=True, atol=0, rtol=0)
+    torch.testing.assert_close(beam_v, ref_v, equal_nan=True, atol=0, rtol=0)
+    starts = torch.arange(0, rows, per_request, device=DEVICE)
+    torch.testing.assert_close(got[starts], v[starts], atol=0, rtol=0)  # a start sees itself
+    codes = torch.ones(rows, dtype=torch.bool, device=DEVICE)
+    codes[starts] = False
+    # Slot 0 of a start's row and slot 1 of a code's row hold its K; the other stays NaN.
+    assert torch.equal(beam_k[starts, 0], k[starts]) and beam_k[starts, 1].isnan().all()
+    assert torch.equal(beam_k[:rows][codes, 1], k[codes])
+    assert beam_k[:rows][codes, 0].isnan().all()
+
+
+def test_start_and_codes_reference_by_hand():
+    # One request: a start token, then one code; one head of size 1.
+    q = torch.tensor([[[2.0]], [[1.0]]])
+    k = torch.tensor([[[0.5]], [[1.5]]])
+    v = torch.tensor([[[3.0]], [[-1.0]]])
+    beam = torch.zeros(2, 2, 1, 1)
+    bias = torch.tensor([[0.25, -0.5]])
+    out = start_and_codes_attention_reference(q, k, v, beam, beam.clone(), 2, bias)
+    s0, s1 = 1.0 * 0.5 + 0.25, 1.0 * 1.5 - 0.5
+    p0 = torch.exp(torch.tensor(s0)) / (torch.exp(torch.tensor(s0)) + torch.exp(torch.tensor(s1)))
+    assert out[0, 0, 0] == 3.0
+    torch.testing.assert_close(out[1, 0, 0], p0 * 3.0 + (1 - p0) * -1.0)
+
+
+def test_start_and_codes_launcher_checks():
+    q = torch.zeros(6, 2, 16, device=DEVICE)
+    beam = torch.zeros(6, 2, 2, 16, device=DEVICE)
+    bias = torch.zeros(2, 2, device=DEVICE)
+    with pytest.raises(ValueError, match="not requests of 4 rows"):
+        start_and_codes_attention(q, q, q, beam, beam.clone(), 4, bias)
+    with pytest.raises(ValueError, match="do not hold slots 0-1"):
+        one_slot = beam[:, :1].contiguous()
+        start_and_codes_attention(q, q, q, one_slot, one_slot.clone(), 3, bias)
+    with pytest.raises(ValueError, match="must be"):
+        start_and_codes_attention(q, q, q, beam, beam.clone(), 3, bias[:, :1])

@@ -17,6 +17,10 @@ from xgr.layers.attention import DecodeMetadata
 from xgr.models.decoder import CausalLM
 from xgr.models.t5 import EncDecDecodeMetadata, T5Seq2SeqLM
 
+# Run an encoder-decoder's start step and level 1's forward in one pass where the beam
+# holds every first-level code (``runs_first_levels_together``).
+FIRST_LEVELS_TOGETHER = True
+
 
 @dataclass
 class DecodeSpec:
@@ -37,6 +41,9 @@ class DecodeSpec:
         full_vocab: normalize scores over the whole vocabulary (exact log-probabilities);
             False normalizes over each level's codes (vocabularies of codes only).
         attention_backend: "torch" (reference) or "triton" (GPU kernel) decode attention.
+        first_codes: (V0,) int64 the catalog's first-level codes (the trie root's
+            children), ascending; None: not computed (``build`` computes it).
+        first_nodes: (V0,) int64 trie node (depth 1) of each of ``first_codes``.
     """
 
     model: CausalLM | T5Seq2SeqLM
@@ -46,6 +53,8 @@ class DecodeSpec:
     code_mask: torch.Tensor
     full_vocab: bool = True
     attention_backend: str = "torch"
+    first_codes: torch.Tensor | None = None
+    first_nodes: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -61,7 +70,15 @@ class DecodeSpec:
         if head.is_cuda and head.dtype != torch.float32:
             weights = weights.to(head.dtype)  # exact: the rows were in this dtype
         mask = distinct_code_mask(sid_token_ids, model.config.vocab_size)
-        return cls(model, trie, sid_token_ids, weights, mask, full_vocab, attention_backend)
+        # Read once here (a host sync), so the decode levels index them without one.
+        codes, nodes, valid = trie.levels[0].expand(
+            torch.zeros(1, dtype=torch.int64, device=sid_token_ids.device)
+        )
+        first_codes, first_nodes = codes[valid], nodes[valid]
+        return cls(
+            model, trie, sid_token_ids, weights, mask, full_vocab, attention_backend,
+            first_codes, first_nodes,
+        )  # fmt: skip
 
     def log_probs(self, hidden: torch.Tensor, level: int) -> torch.Tensor:
         """(N, hidden) -> (N, codebook_size) float32 log-probabilities of the level's codes."""
@@ -121,7 +138,8 @@ def decode_levels_encdec(
     beam_width: int,
     top_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``decode_levels`` of an encoder-decoder: the decoder start step, then every level.
+    """``decode_levels`` of an encoder-decoder: the decoder start step, then every level
+    (the start step and level 1's forward in one pass where ``runs_first_levels_together``).
 
     Args:
         spec: a ``T5Seq2SeqLM`` with its trie and scoring.
@@ -132,6 +150,8 @@ def decode_levels_encdec(
     Returns:
         nodes, scores: as ``decode_levels``.
     """
+    if runs_first_levels_together(spec, beam_width):
+        return _decode_encdec_start_and_codes(spec, shared, cu_seqlens_host, beam_width, top_k)
     model = spec.model
     device = shared.k.device
     num_requests, num_levels = len(cu_seqlens_host) - 1, len(spec.trie.levels)
@@ -156,6 +176,80 @@ def decode_levels_encdec(
         return model.decode(ids, meta)
 
     return _search_levels(spec, first, beam, forward, beam_width, top_k)
+
+
+def runs_first_levels_together(spec: DecodeSpec, beam_width: int) -> bool:
+    """Whether an encoder-decoder's decode runs its start step and level 1's forward in
+    one pass (``T5Seq2SeqLM.decode_start_and_codes``) instead of one after the other.
+
+    Level 1's forward takes the codes that level 0 keeps as input. When the beam holds
+    every first-level code of the catalog, level 0 keeps them all, whatever their scores:
+    the forward can run on all of them before their scores are known, beside the start
+    token, and one pass over the decoder's weights replaces two. Its rows (1 + V0 a
+    request) are the V0 that level 1 would run anyway, plus the start token's.
+    ``FIRST_LEVELS_TOGETHER`` False turns it off.
+    """
+    return (
+        FIRST_LEVELS_TOGETHER
+        and spec.model.is_encoder_decoder
+        and spec.first_codes is not None
+        and len(spec.trie.levels) >= 2
+        and spec.first_codes.shape[0] <= beam_width
+    )
+
+
+def _decode_encdec_start_and_codes(
+    spec: DecodeSpec,
+    shared: SharedKV,
+    cu_seqlens_host: list[int],
+    beam_width: int,
+    top_k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``decode_levels_encdec`` with the start step and level 1's forward in one pass
+    (``runs_first_levels_together``); same arguments and result.
+
+    The pass's rows are request-major, 1 + V0 a request: the start token, then each
+    first-level code in ``spec.first_codes`` order, whose K/V stay at those rows (slots 0
+    and 1). Level 0's beams are those codes with their scores, in that order; level 1's
+    selection then reads the pass's log-probabilities directly, and its beams' parents
+    are rows of the pass.
+    """
+    model, codes = spec.model, spec.first_codes
+    device = shared.k.device
+    num_requests, num_levels = len(cu_seqlens_host) - 1, len(spec.trie.levels)
+    num_codes = codes.shape[0]
+    per_request = 1 + num_codes
+    rows = num_requests * per_request
+    beam = model.allocate_beam_kv(num_requests * max(beam_width, per_request), num_levels)
+    pass_rows = torch.arange(rows, device=device)
+    # Every code row's slot 0 is its request's start token.
+    beam.rows[:rows, 0] = (pass_rows - pass_rows % per_request).to(beam.rows.dtype)
+    ids = torch.empty(num_requests, per_request, dtype=torch.int64, device=device)
+    ids[:, 0] = model.config.decoder_start_token_id
+    ids[:, 1:] = spec.sid_token_ids[0][codes]
+    backend = spec.attention_backend
+    meta = EncDecDecodeMetadata(shared, beam, cu_seqlens_host, per_request, pass_rows, backend)
+    hidden = model.decode_start_and_codes(ids.reshape(-1), meta).view(num_requests, per_request, -1)
+    beam.length = 2
+    first = spec.log_probs(hidden[:, 0], 0)  # [R, codebook]
+    second = spec.log_probs(hidden[:, 1:].reshape(num_requests * num_codes, -1), 1)
+    shape = (num_requests, num_codes)
+    zeros = torch.zeros(shape, dtype=torch.int64, device=device)
+    level_0 = BeamState(first[:, codes], spec.first_nodes.expand(shape), codes.expand(shape), zeros)
+    state = constrained_beam_step(
+        level_0, second.view(num_requests, num_codes, -1), spec.trie.levels[1], None,
+        beam_width, top_k,
+    )  # fmt: skip
+
+    def forward(ids: torch.Tensor, _level: int, width: int) -> torch.Tensor:
+        rows = torch.arange(num_requests * width, device=device)
+        meta = EncDecDecodeMetadata(shared, beam, cu_seqlens_host, width, rows, backend)
+        return model.decode(ids, meta)
+
+    widths = live_beam_widths(spec.trie, beam_width, top_k)[1:]
+    # Level 1's beams continue rows r * (1 + V0) + 1 + parent of the pass.
+    layout = (per_request, 1)
+    return _later_levels(spec, state, beam, forward, beam_width, top_k, widths, layout)
 
 
 def live_beam_widths(trie: PrefixTrie, beam_width: int, top_k: int) -> list[int]:
@@ -216,7 +310,6 @@ def _search_levels(
     Returns:
         nodes, scores: (R, beam_width) as ``decode_levels``.
     """
-    vocab = spec.model.config.vocab_size
     num_requests = first_log_probs.shape[0]
     device = first_log_probs.device
     # The root is every beam's common parent: it alone supplies the first beam_width beams.
@@ -228,13 +321,38 @@ def _search_levels(
         beam_width,
         max(top_k, beam_width),
     )
-    requests = torch.arange(num_requests, device=device)[:, None]
-    prev_width = beam_width  # rows a request in the layout of the slots written so far
     widths = live_beam_widths(spec.trie, beam_width, top_k)
-    for level, width in enumerate(widths, start=1):
+    return _later_levels(spec, state, beam, forward, beam_width, top_k, widths, (beam_width, 0))
+
+
+def _later_levels(
+    spec: DecodeSpec,
+    state: BeamState,
+    beam: BeamKV,
+    forward,
+    beam_width: int,
+    top_k: int,
+    widths: list[int],
+    layout: tuple[int, int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The levels after ``state``'s: one forward and selection each, as ``_search_levels``.
+
+    Args:
+        state: (R, B') beams after level ``L - 1 - len(widths)``.
+        widths: beams a request each later level's forward runs on.
+        layout: (stride, offset): the beam row whose written slots beam p of request r
+            continues is r * stride + offset + p (the last forward's rows).
+        Others: as ``_search_levels``.
+    """
+    vocab = spec.model.config.vocab_size
+    num_levels = len(spec.trie.levels)
+    num_requests = state.scores.shape[0]
+    requests = torch.arange(num_requests, device=state.scores.device)[:, None]
+    stride, offset = layout
+    for level, width in zip(range(num_levels - len(widths), num_levels), widths, strict=True):
         live = state.narrow(width)
         if beam.length:  # each beam inherits its parent's written slots
-            beam.reorder((live.parents + requests * prev_width).reshape(-1))
+            beam.reorder((live.parents + requests * stride + offset).reshape(-1))
         ids = spec.sid_token_ids[level - 1][live.codes].clamp(0, vocab - 1)
         hidden = forward(ids.reshape(-1), level, width)
         beam.length += 1
@@ -242,5 +360,5 @@ def _search_levels(
         state = constrained_beam_step(
             live, log_probs, spec.trie.levels[level], None, beam_width, top_k
         )
-        prev_width = width
+        stride, offset = width, 0
     return state.nodes, state.scores

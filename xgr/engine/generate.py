@@ -13,7 +13,9 @@ Steps, for R prompts, beam width B and L levels:
 For an encoder-decoder (T5) the prefill is the encoder, which writes each decoder layer's
 cross-attention K/V as the shared KV; level 0's log-probabilities come from one decoder step
 over the decoder start token per request, whose self-attention K/V is slot 0 of the
-request's first beam row, inherited by all its beams through the ancestry index. On CUDA the
+request's first beam row, inherited by all its beams through the ancestry index. Where the
+beam holds every first-level code, that step and level 1's forward over all those codes run
+as one pass (``xgr.engine.decode.runs_first_levels_together``). On CUDA the
 encoder replays a CUDA graph of the prompts padded to one length per request slot
 (``T5Seq2SeqLM.encode_padded``) and the decode levels another, as for decoder-only models.
 

@@ -6,6 +6,9 @@ they were a third of a OneRec-size decode on the H200 (kernel profile of 2026-11
 one program per query row holds all heads of the row: it writes the new K/V, scores the
 newest token from registers, then folds the earlier slots (at most a few) in by online
 softmax (Milakov & Gimelshein, 2018), reading each through the ancestry index.
+
+``start_and_codes_attention`` is the same for the pass that runs each request's start
+token and its candidate first codes together (``start_and_codes_attention_reference``).
 """
 
 from __future__ import annotations
@@ -106,6 +109,89 @@ def beam_self_attention(
         beam_k.stride(0), beam_k.stride(1), beam_k.stride(2), beam_rows.stride(0),
         bias.stride(0), out.stride(0), out.stride(1),
         SLOT=slot, H=num_heads, D=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _start_and_codes_attention_kernel(
+    Q, K, V, BK, BV, BIAS, OUT,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
+    stride_br, stride_bs, stride_bh, stride_bias_h, stride_on, stride_oh,
+    P, H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0).to(tl.int64)
+    j = n % P
+    start = n - j
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    h_ok = h < H
+    ok = h_ok[:, None] & (d < D)[None, :]
+    k = tl.load(K + n * stride_kn + h[:, None] * stride_kh + d[None, :], mask=ok, other=0.0)
+    v = tl.load(V + n * stride_vn + h[:, None] * stride_vh + d[None, :], mask=ok, other=0.0)
+    slot = tl.where(j == 0, 0, 1)
+    new_off = n * stride_br + slot * stride_bs + h[:, None] * stride_bh + d[None, :]
+    tl.store(BK + new_off, k, mask=ok)
+    tl.store(BV + new_off, v, mask=ok)
+    # The start token's K/V come from the inputs, not from the cache another program of
+    # this launch writes.
+    k0 = tl.load(K + start * stride_kn + h[:, None] * stride_kh + d[None, :], mask=ok, other=0.0)
+    v0 = tl.load(V + start * stride_vn + h[:, None] * stride_vh + d[None, :], mask=ok, other=0.0)
+    q = tl.load(Q + n * stride_qn + h[:, None] * stride_qh + d[None, :], mask=ok, other=0.0)
+    q = q.to(tl.float32)
+    s0 = tl.sum(q * k0.to(tl.float32), axis=1)
+    s0 += tl.load(BIAS + h * stride_bias_h, mask=h_ok, other=0.0).to(tl.float32)
+    s1 = tl.sum(q * k.to(tl.float32), axis=1)
+    s1 += tl.load(BIAS + h * stride_bias_h + 1, mask=h_ok, other=0.0).to(tl.float32)
+    m = tl.maximum(s0, s1)
+    p0 = tl.exp(s0 - m)
+    p1 = tl.exp(s1 - m)
+    out = (p0[:, None] * v0.to(tl.float32) + p1[:, None] * v.to(tl.float32)) / (p0 + p1)[:, None]
+    out = tl.where(j == 0, v.to(tl.float32), out)
+    out_off = n * stride_on + h[:, None] * stride_oh + d[None, :]
+    tl.store(OUT + out_off, out.to(OUT.dtype.element_ty), mask=ok)
+
+
+def start_and_codes_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beam_k: torch.Tensor,
+    beam_v: torch.Tensor,
+    rows_per_request: int,
+    bias: torch.Tensor,
+) -> torch.Tensor:
+    """``start_and_codes_attention_reference`` in one launch (one program a row); same
+    arguments, shapes and result. q, k and v may be strided views whose last dimension is
+    contiguous; beam_k and beam_v share one layout.
+
+    Raises:
+        ValueError: mismatched shapes, N not a multiple of ``rows_per_request``, beam K/V
+            with fewer than N rows or 2 slots, or a non-contiguous last dimension.
+    """
+    rows, num_heads, head_dim = q.shape
+    if k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must match")
+    if rows_per_request < 1 or rows % rows_per_request:
+        raise ValueError(f"{rows} rows are not requests of {rows_per_request} rows each")
+    if beam_k.shape != beam_v.shape or beam_k.stride() != beam_v.stride():
+        raise ValueError("beam_k and beam_v must share one shape and layout")
+    if beam_k.shape[0] < rows or beam_k.shape[1] < 2 or beam_k.shape[2:] != (num_heads, head_dim):
+        raise ValueError(f"beam K/V {tuple(beam_k.shape)} do not hold slots 0-1 of {rows} "
+                         f"rows of {num_heads} heads x {head_dim}")  # fmt: skip
+    if bias.shape != (num_heads, 2):
+        raise ValueError(f"bias {tuple(bias.shape)} must be ({num_heads}, 2)")
+    if any(t.stride(-1) != 1 for t in (q, k, v, beam_k, beam_v, bias)):
+        raise ValueError("every tensor's last dimension must be contiguous")
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _start_and_codes_attention_kernel[(rows,)](
+        q, k, v, beam_k, beam_v, bias, out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        beam_k.stride(0), beam_k.stride(1), beam_k.stride(2), bias.stride(0),
+        out.stride(0), out.stride(1),
+        rows_per_request, H=num_heads, D=head_dim,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
         num_warps=4,
     )  # fmt: skip

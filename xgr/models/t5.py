@@ -35,6 +35,7 @@ from xgr.layers.relative_position import (
 )
 from xgr.models.config import T5Config
 from xgr.models.t5_blocks import EncDecDecodeMetadata, T5Stack, residual_stack
+from xgr.models.t5_small_rows import decode_small_rows, small_rows_kernels
 
 # The attention of ``encode_padded`` (the encoder's CUDA graph): "triton" (the default), xgr's
 # kernel reading the bias per key - query offset, one value for the key tiles beyond the
@@ -47,22 +48,6 @@ from xgr.models.t5_blocks import EncDecDecodeMetadata, T5Stack, residual_stack
 # graphs (captured graphs keep what they ran). Under SDPA, encodes whose square mask would be
 # too large for a graph run eagerly (``engine.cuda_graph.MAX_ENCODER_MASK_BYTES``).
 ENCODER_ATTENTION = "triton"
-
-# The small-rows kernel's name of each feed-forward activation (``T5Config.dense_act_fn``).
-_SMALL_ROWS_ACTIVATIONS = {"relu": "relu", "gelu_new": "gelu_tanh"}
-
-
-def small_rows_kernels(x: torch.Tensor) -> bool:
-    """Whether a decoder step over the rows of x runs its projections through
-    ``xgr.kernels.triton_small_rows_linear`` (a CUDA step of at most its ``MAX_ROWS`` rows:
-    the first step of a batch, one row a request), else through cuBLAS with the separate
-    norm, activation and residual passes."""
-    if not x.is_cuda:  # the CPU path never imports Triton
-        return False
-    from xgr.kernels.triton_small_rows_linear import MAX_ROWS
-
-    return x.shape[0] <= MAX_ROWS
-
 
 __all__ = ["EncDecDecodeMetadata", "T5Seq2SeqLM"]
 
@@ -272,19 +257,54 @@ class T5Seq2SeqLM(nn.Module):
         x = self.shared(input_ids)
         bias = self._decoder_bias(meta.beam.length, x.device)
         if self._projections_fused() and small_rows_kernels(x):
-            x = self._decode_small_rows(x, meta, bias)
+            x = decode_small_rows(self.decoder, self.config.dense_act_fn, x, meta, bias)
         else:
-            sublayers = []
-            for layer, block in enumerate(self.decoder.block):
-                attn, cross, ff = block.layer
-                sublayers += [
-                    (attn.layer_norm,
-                     lambda h, a=attn, i=layer: a.SelfAttention.over_beam(h, i, meta, bias)),
-                    (cross.layer_norm,
-                     lambda h, c=cross, i=layer: c.EncDecAttention.over_encoder(h, i, meta)),
-                    (ff.layer_norm, ff.DenseReluDense),
-                ]  # fmt: skip
-            x = residual_stack(x, sublayers, self.decoder.final_layer_norm)
+            x = self._run_decoder(x, meta, lambda attn, h, i: attn.over_beam(h, i, meta, bias))
+        return self._head_input(x)
+
+    def decode_start_and_codes(
+        self, input_ids: torch.Tensor, meta: EncDecDecodeMetadata
+    ) -> torch.Tensor:
+        """The decoder start step and the next step of every candidate first code, in one
+        pass: ``decode`` of the start token, then ``decode`` of each code after it, without
+        a selection between them (all of them are kept).
+
+        Rows are request-major, P = ``meta.beam_width`` a request: row r * P is request r's
+        start token, the next P - 1 rows its candidate codes (position 1). Row n writes its
+        self-attention K/V into beam row n (``meta.kv_rows`` must be 0 .. N - 1): slot 0
+        for the start token, slot 1 for a code, whose slot-0 ancestry must already point
+        at its request's start row. Every row also attends over its request's encoder K/V.
+
+        Args:
+            input_ids: (N,) int64, the decoder start token at rows r * P, codes elsewhere.
+            meta: the pass's metadata, ``meta.beam.length`` 0.
+
+        Returns:
+            (N, d_model) input of the LM head, model dtype, as ``decode``.
+        """
+        x = self.shared(input_ids)
+        bias = self._decoder_bias(1, x.device)
+        return self._head_input(
+            self._run_decoder(
+                x, meta, lambda attn, h, i: attn.over_start_and_codes(h, i, meta, bias)
+            )
+        )
+
+    def _run_decoder(self, x: torch.Tensor, meta: EncDecDecodeMetadata, attend) -> torch.Tensor:
+        """The decoder blocks and final norm over embedded tokens x (cuBLAS projections);
+        each block's self-attention is ``attend(T5Attention, normed x, layer)``."""
+        sublayers = []
+        for layer, block in enumerate(self.decoder.block):
+            attn, cross, ff = block.layer
+            sublayers += [
+                (attn.layer_norm, lambda h, a=attn, i=layer: attend(a.SelfAttention, h, i)),
+                (cross.layer_norm,
+                 lambda h, c=cross, i=layer: c.EncDecAttention.over_encoder(h, i, meta)),
+                (ff.layer_norm, ff.DenseReluDense),
+            ]  # fmt: skip
+        return residual_stack(x, sublayers, self.decoder.final_layer_norm)
+
+    def _head_input(self, x: torch.Tensor) -> torch.Tensor:
         if self.config.scale_decoder_outputs:
             # Original T5 ties the head to the embedding and rescales its input to match.
             x = x * self.config.d_model**-0.5
@@ -298,41 +318,6 @@ class T5Seq2SeqLM(nn.Module):
         dense = ff.DenseReluDense
         gate_up_fused = not dense.gated or dense.wi_fused is not None
         return attn.SelfAttention.qkv is not None and gate_up_fused
-
-    def _decode_small_rows(
-        self, x: torch.Tensor, meta: EncDecDecodeMetadata, bias: torch.Tensor
-    ) -> torch.Tensor:
-        """``decode``'s blocks and final norm with each sublayer's norm, activation and
-        residual add inside its projections (``small_rows_linear``): 6 launches of those a
-        block, where the cuBLAS path takes 6 GEMMs (some split in two) and 4 passes.
-
-        Args:
-            x: (N, d_model) embedded tokens, N <= ``MAX_ROWS``.
-            meta, bias: as ``decode``.
-
-        Returns:
-            (N, d_model) final layer norm's output, model dtype.
-        """
-        from xgr.kernels.triton_small_rows_linear import small_rows_linear as linear
-
-        act = _SMALL_ROWS_ACTIVATIONS[self.config.dense_act_fn]
-        rows = x.shape[0]
-        for layer, block in enumerate(self.decoder.block):
-            attn, cross, ff = block.layer
-            own, other, dense = attn.SelfAttention, cross.EncDecAttention, ff.DenseReluDense
-            heads, inner = own.num_heads, own.num_heads * own.d_kv
-            qkv = linear(x, own.qkv.weight, attn.layer_norm.weight, attn.layer_norm.eps)
-            q, k, v = qkv.view(rows, 3, heads, own.d_kv).unbind(1)
-            out = own.beam_attention(q, k, v, layer, meta, bias).reshape(rows, inner)
-            x = linear(out, own.o.weight, residual=x)
-            q = linear(x, other.q.weight, cross.layer_norm.weight, cross.layer_norm.eps)
-            out = other.encoder_attention(q.view(rows, heads, own.d_kv), layer, meta)
-            x = linear(out.reshape(rows, inner), other.o.weight, residual=x)
-            wi = dense.wi_fused if dense.gated else dense.wi
-            norm = ff.layer_norm
-            hidden = linear(x, wi.weight, norm.weight, norm.eps, activation=act, gated=dense.gated)
-            x = linear(hidden, dense.wo.weight, residual=x)
-        return self.decoder.final_layer_norm(x)
 
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, d_model) ``decode`` output -> (N, vocab_size) float32 log-softmax."""

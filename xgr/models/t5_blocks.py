@@ -15,7 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from xgr.kernels.beam_self_attention import beam_self_attention_reference
+from xgr.kernels.beam_self_attention import (
+    beam_self_attention_reference,
+    start_and_codes_attention_reference,
+)
 from xgr.kernels.decode_attention import shared_attention_reference
 from xgr.kv import BeamKV, SharedKV
 from xgr.layers.linear import concat_linears
@@ -215,6 +218,31 @@ class T5Attention(nn.Module):
 
             return beam_self_attention(*args)
         return beam_self_attention_reference(*args)
+
+    def over_start_and_codes(
+        self, x: torch.Tensor, layer: int, meta: EncDecDecodeMetadata, bias: torch.Tensor
+    ) -> torch.Tensor:
+        """Decoder self-attention of ``T5Seq2SeqLM.decode_start_and_codes``'s pass: each
+        request's start token over itself, each of its codes over the start token and
+        itself (``start_and_codes_attention_reference``), K/V written at slots 0 and 1.
+
+        Args:
+            x: (N, d_model) normed hidden states, ``meta.beam_width`` rows a request.
+            layer: decoder layer index.
+            meta: the pass's metadata.
+            bias: (num_heads, 2) position bias of position 1 over positions 0 and 1.
+
+        Returns:
+            (N, d_model).
+        """
+        q, k, v = self.project_qkv(x)
+        beam = meta.beam
+        args = (q, k, v, beam.k[layer], beam.v[layer], meta.beam_width, bias)
+        if meta.backend == "triton":
+            from xgr.kernels.triton_beam_self_attention import start_and_codes_attention
+
+            return self.project_out(start_and_codes_attention(*args))
+        return self.project_out(start_and_codes_attention_reference(*args))
 
     def over_encoder(self, x: torch.Tensor, layer: int, meta: EncDecDecodeMetadata) -> torch.Tensor:
         """Cross-attention of every query row over its request's encoder K/V (no mask, no
