@@ -14,6 +14,9 @@ memory is its own) for a few configurations, with its top-10 agreement to xgr.
 
     python benchmarks/e2e_latency.py --output benchmarks/results/e2e-latency.json
     python benchmarks/e2e_latency.py --tiny --output /tmp/e2e.json   # CPU smoke run
+
+``--first-levels apart`` runs a single request's level-1 forward after level 0 instead of
+within its prefill (``xgr.engine.decode.FIRST_LEVELS_TOGETHER``).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from timing import graph_ms, run_environment, time_recommend  # noqa: E402
 from xgr import Engine, ItemCatalog  # noqa: E402
 from xgr.beam import BeamState, constrained_beam_step  # noqa: E402
 from xgr.beam import step as step_module  # noqa: E402
+from xgr.engine import decode as decode_module  # noqa: E402
 from xgr.engine.cuda_graph import CudaGraphs  # noqa: E402
 from xgr.models.config import DecoderConfig  # noqa: E402
 from xgr.models.decoder import CausalLM  # noqa: E402
@@ -266,7 +270,15 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="*", help="prompt lengths (default: all)")
     parser.add_argument("--beams", type=int, nargs="*", help="beam widths (default: all)")
     parser.add_argument("--batches", type=int, nargs="*", help="requests per batch (default: all)")
+    parser.add_argument(
+        "--first-levels",
+        choices=("together", "apart"),
+        default="together" if decode_module.FIRST_LEVELS_TOGETHER else "apart",
+        help="a single request's level-1 forward within its prefill where the beam holds every"
+        " first-level code (xgr.engine.decode.FIRST_LEVELS_TOGETHER), or after level 0",
+    )
     args = parser.parse_args()
+    decode_module.FIRST_LEVELS_TOGETHER = args.first_levels == "together"
     device = "cpu" if args.tiny else "cuda"
     if args.tiny:
         shapes, items, lengths, beams, batches, reps = (
@@ -293,6 +305,7 @@ def main() -> None:
     rate = matmul_flop_rate(device)
     report = {
         "benchmark": "whole-request latency: prefill + levels (top_k = beam width)",
+        "first_levels": args.first_levels,
         **run_environment(device),
         "dtype": "bfloat16" if device == "cuda" else "float32",
         "catalog_items": items,

@@ -10,14 +10,9 @@ import torch
 
 from tests.conftest import random_catalog, sequential_sid_map, write_random_t5
 from xgr import Engine
-from xgr.engine.cuda_graph import (
-    MAX_ENCODER_MASK_BYTES,
-    CudaGraphs,
-    _Graph,
-    encoder_bucket,
-    prefill_bucket,
-)
+from xgr.engine.cuda_graph import CudaGraphs, _Graph
 from xgr.engine.generate import _launch
+from xgr.engine.graph_keys import MAX_ENCODER_MASK_BYTES, encoder_bucket, prefill_bucket
 from xgr.engine.inputs import prepare_inputs
 from xgr.engine.warm_up import warm_up_batches
 from xgr.kernels.prefill_attention import prefill_attention_reference
@@ -59,8 +54,10 @@ def test_packed_prefill_keys_do_not_depend_on_the_batch_size():
     keys = {
         graphs.prefill_key(lens) for lens in ([30, 41], [10, 20, 33], [5] * 8 + [40], [2, 60, 1])
     }
-    assert keys == {("prefill", 16, 256, 64)}
-    assert graphs.prefill_key([100]) == ("prefill", 1, 256, 256)  # alone: causal, no slots
+    assert keys == {("prefill", 16, 256, 64, False)}
+    assert graphs.prefill_key([100]) == ("prefill", 1, 256, 256, False)  # alone: causal
+    # A single request whose prefill also runs level 1's forward: a graph of its own.
+    assert graphs.prefill_key([100], level_one=True) == ("prefill", 1, 256, 256, True)
     assert graphs.prefill_key([1] * 17) is None  # above max_requests: eager
     assert graphs.prefill_key([40_000, 40_000]) is None  # above max_prefill_tokens
     assert CudaGraphs(tiny_model(torch.float32)).prefill_key([3, 4]) is None  # fp32: eager

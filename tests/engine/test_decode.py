@@ -53,20 +53,38 @@ def test_live_rows_give_the_results_of_every_row(model_dirs, tmp_path, monkeypat
         torch.testing.assert_close(scores, expected, rtol=0, atol=1e-5)
 
 
+def first_levels_engine(arch, folder, model_dirs, num_levels):
+    """An engine over a random catalog of ``num_levels`` x 16 codes (all 16 first codes)."""
+    catalog = random_catalog(150 * num_levels, num_levels, 16, seed=num_levels)
+    sid_map = sequential_sid_map(num_levels, 16, OFFSET)
+    if arch == "t5":
+        write_random_t5(folder, "gated-gelu", False, vocab_size=OFFSET + 16 * num_levels, seed=7)
+    else:
+        folder = model_dirs[arch]
+    engine = Engine.from_pretrained(folder, catalog=catalog, sid_token_ids=sid_map)
+    first_codes = {codes[0] for codes in catalog.semantic_ids.tolist()}
+    assert engine.decode_spec.first_codes.tolist() == sorted(first_codes)
+    return engine
+
+
+def assert_same_results(got, want):
+    for got_one, want_one in zip(got, want, strict=True):
+        assert [c for c, _ in got_one.semantic_ids] == [c for c, _ in want_one.semantic_ids]
+        scores = torch.tensor([s for _, s in got_one.semantic_ids])
+        expected = torch.tensor([s for _, s in want_one.semantic_ids])
+        # Scores of about -30 nats: a few float32 ulps apart (GEMMs of other row counts).
+        torch.testing.assert_close(scores, expected, rtol=2e-6, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     ("num_levels", "beam_width", "top_k"), [(3, 40, 40), (3, 16, 5), (2, 20, 20), (4, 24, 8)]
 )
 def test_t5_first_levels_in_one_pass_give_the_results_step_by_step(
-    tmp_path, monkeypatch, num_levels, beam_width, top_k
+    tmp_path, model_dirs, monkeypatch, num_levels, beam_width, top_k
 ):
-    catalog = random_catalog(150 * num_levels, num_levels, 16, seed=num_levels)
-    sid_map = sequential_sid_map(num_levels, 16, OFFSET)
-    write_random_t5(tmp_path, "gated-gelu", False, vocab_size=OFFSET + 16 * num_levels, seed=7)
-    engine = Engine.from_pretrained(tmp_path, catalog=catalog, sid_token_ids=sid_map)
+    engine = first_levels_engine("t5", tmp_path, model_dirs, num_levels)
     spec = engine.decode_spec
-    first_codes = {codes[0] for codes in catalog.semantic_ids.tolist()}
-    assert spec.first_codes.tolist() == sorted(first_codes)
-    assert decode.runs_first_levels_together(spec, beam_width)
+    assert decode.runs_first_levels_together(spec, 3, beam_width)
     passes = []
     together = spec.model.decode_start_and_codes
 
@@ -84,12 +102,38 @@ def test_t5_first_levels_in_one_pass_give_the_results_step_by_step(
     monkeypatch.setattr(decode, "FIRST_LEVELS_TOGETHER", False)
     want = engine.recommend(prompts, **search)
     assert len(passes) == 1
-    for got_one, want_one in zip(got, want, strict=True):
-        assert [c for c, _ in got_one.semantic_ids] == [c for c, _ in want_one.semantic_ids]
-        scores = torch.tensor([s for _, s in got_one.semantic_ids])
-        expected = torch.tensor([s for _, s in want_one.semantic_ids])
-        # Scores of about -30 nats: a few float32 ulps apart (GEMMs of other row counts).
-        torch.testing.assert_close(scores, expected, rtol=2e-6, atol=1e-5)
+    assert_same_results(got, want)
+
+
+@pytest.mark.parametrize(
+    ("num_levels", "beam_width", "top_k"), [(3, 40, 40), (3, 16, 5), (2, 20, 20), (4, 24, 8)]
+)
+def test_decoder_only_level_one_in_the_prefill_gives_the_results_step_by_step(
+    tmp_path, model_dirs, monkeypatch, num_levels, beam_width, top_k
+):
+    engine = first_levels_engine("qwen3", tmp_path, model_dirs, num_levels)
+    spec = engine.decode_spec
+    assert decode.runs_first_levels_together(spec, 1, beam_width)
+    assert not decode.runs_first_levels_together(spec, 2, beam_width)  # batches: apart
+    code_rows = []
+    forward = type(spec.model).forward
+
+    def counted(model, ids, positions, meta):
+        code_rows.append(getattr(meta, "num_code_rows", None))
+        return forward(model, ids, positions, meta)
+
+    monkeypatch.setattr(type(spec.model), "forward", counted)
+    gen = torch.Generator().manual_seed(num_levels)
+    prompt = torch.randint(2, OFFSET + 16 * num_levels, (23,), generator=gen).tolist()
+    search = dict(beam_width=beam_width, top_k=top_k, num_results=beam_width)
+    got = engine.recommend([prompt], **search)
+    # The prefill with 16 code rows, then one decode forward a later level.
+    assert code_rows == [16] + [None] * (num_levels - 2)
+    monkeypatch.setattr(decode, "FIRST_LEVELS_TOGETHER", False)
+    code_rows.clear()
+    want = engine.recommend([prompt], **search)
+    assert code_rows == [0] + [None] * (num_levels - 1)
+    assert_same_results(got, want)
 
 
 def test_first_levels_run_apart_when_the_beam_cannot_hold_every_first_code(model_dirs, tmp_path):
@@ -99,7 +143,8 @@ def test_first_levels_run_apart_when_the_beam_cannot_hold_every_first_code(model
     t5 = Engine.from_pretrained(tmp_path, catalog=catalog, sid_token_ids=sid_map).decode_spec
     first = t5.first_codes.shape[0]
     assert first == 16
-    assert decode.runs_first_levels_together(t5, first)
-    assert not decode.runs_first_levels_together(t5, first - 1)
+    assert decode.runs_first_levels_together(t5, 4, first)
+    assert not decode.runs_first_levels_together(t5, 1, first - 1)
     qwen = Engine.from_pretrained(model_dirs["qwen3"], catalog=catalog, sid_token_ids=sid_map)
-    assert not decode.runs_first_levels_together(qwen.decode_spec, 64)  # decoder-only
+    assert decode.runs_first_levels_together(qwen.decode_spec, 1, first)
+    assert not decode.runs_first_levels_together(qwen.decode_spec, 1, first - 1)

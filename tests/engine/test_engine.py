@@ -555,7 +555,7 @@ def test_a_batch_whose_graphs_were_dropped_after_its_check_captures_alone(model_
         def __init__(self):
             self.lock, self.shapes, self.x_checks = threading.RLock(), {1}, 0
 
-        def needs_capture(self, lens, beam_width, top_k):
+        def needs_capture(self, lens, beam_width, top_k, level_one):
             missing = len(lens) not in self.shapes
             if threading.current_thread().name == "X" and self.x_checks == 0:
                 self.x_checks += 1

@@ -118,7 +118,8 @@ def test_prefill_and_decode_make_no_host_sync(model_dirs):
     try:
         with torch.inference_mode(), graphs.lock:
             inputs = graphs.stage(prompts)  # one host-to-device copy, no fills
-            last = graphs.replay_prefill(inputs)
+            last, level_one = graphs.replay_prefill(inputs)
+            assert level_one is None  # two requests: level 1 runs in the decode graph
             nodes, scores = graphs.replay_decode(spec, last, inputs, 16, 8)
             shared = graphs.shared_kv(inputs)
             eager_last = prefill(spec.model, inputs, shared)
@@ -132,6 +133,57 @@ def test_prefill_and_decode_make_no_host_sync(model_dirs):
     assert (nodes == eager_nodes).float().mean() > 0.9  # bf16: near-ties may swap
 
 
+def test_a_single_request_runs_level_one_in_its_prefill_graph_without_host_sync(model_dirs):
+    from xgr.engine.decode import decode_levels, level_one_inputs, level_one_kv, level_one_metadata
+    from xgr.engine.generate import prefill
+
+    engine = bf16_engine(model_dirs["qwen3"], seed=8)
+    prompt = list(range(8, 75))
+    engine.recommend([prompt], beam_width=16, top_k=8, num_results=5)  # capture first
+    graphs, spec = engine.graphs, engine.decode_spec
+    assert {key[-1] for key in graphs._graphs} == {True}  # prefill and decode: level 1 in
+    assert graphs.captures == 2
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.inference_mode(), graphs.lock:
+            inputs = graphs.stage([prompt], level_one=True)
+            last, level_one = graphs.replay_prefill(inputs, spec)
+            nodes, scores = graphs.replay_decode(spec, last, inputs, 16, 8, level_one)
+            shared = graphs.shared_kv(inputs)
+            kv = level_one_kv(spec, 1)
+            meta = level_one_metadata(spec, shared, kv, inputs.cu_seqlens_host)
+            rows = (*level_one_inputs(spec, inputs.prompt_lens), meta)
+            hidden = prefill(spec.model, inputs, shared, rows)
+            eager_nodes, eager_scores = decode_levels(
+                spec, hidden[:1], inputs.prompt_lens, shared, inputs.cu_seqlens_host, 16, 8,
+                (hidden[1:], kv),
+            )  # fmt: skip
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert graphs.captures == 2
+    assert level_one[0].shape == (16, spec.model.config.hidden_size)
+    torch.testing.assert_close(level_one[0], hidden[1:], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(level_one[1].k, kv.k, atol=2e-2, rtol=2e-2)
+    assert (nodes == eager_nodes).float().mean() > 0.9  # bf16: near-ties may swap
+
+
+def test_single_requests_with_level_one_in_the_prefill_graph_equal_eager(model_dirs):
+    graphed, eager = graphed_and_eager(model_dirs["qwen2"], random_catalog(600, 3, 16, seed=9))
+    gen = torch.Generator().manual_seed(9)
+    for n in (3, 70, 140):
+        prompt = torch.randint(0, 96, (n,), generator=gen).tolist()
+        for beam_width in (16, 24, 8):  # 16 first-level codes: level 1 in the prefill or not
+            search = dict(beam_width=beam_width, top_k=beam_width, num_results=beam_width)
+            (a,) = graphed.recommend([prompt], **search)
+            (b,) = eager.recommend([prompt], **search)
+            assert sid_lists([a]) == sid_lists([b])
+            np.testing.assert_allclose(
+                [s for _, s in a.semantic_ids], [s for _, s in b.semantic_ids], atol=1e-5
+            )
+    assert {key[-1] for key in graphed.graphs._graphs} == {True, False}
+
+
 def test_one_packed_prefill_graph_serves_every_batch_size_of_a_bucket(model_dirs):
     from xgr.engine.generate import prefill
 
@@ -141,7 +193,7 @@ def test_one_packed_prefill_graph_serves_every_batch_size_of_a_bucket(model_dirs
         prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in lengths]
         with torch.inference_mode(), graphs.lock:
             inputs = graphs.stage(prompts)
-            last = graphs.replay_prefill(inputs).clone()
+            last = graphs.replay_prefill(inputs)[0].clone()
             expected = prefill(engine.model, inputs, graphs.shared_kv(inputs))
         assert last.shape == expected.shape == (len(lengths), engine.model.config.hidden_size)
         torch.testing.assert_close(last, expected, atol=2e-2, rtol=2e-2)
@@ -149,9 +201,9 @@ def test_one_packed_prefill_graph_serves_every_batch_size_of_a_bucket(model_dirs
 
 
 def test_pool_growth_recaptures_and_large_batches_run_eagerly(model_dirs, caplog, monkeypatch):
-    from xgr.engine import cuda_graph
+    from xgr.engine import kv_pool
 
-    monkeypatch.setattr(cuda_graph, "MIN_POOL_TOKENS", 64)
+    monkeypatch.setattr(kv_pool, "MIN_POOL_TOKENS", 64)
     engine, eager = graphed_and_eager(model_dirs["llama"], random_catalog(600, 3, 16, seed=6))
     engine.graphs.max_requests = 2
     one = [[1, 2, 3]]

@@ -38,47 +38,13 @@ from dataclasses import dataclass
 
 import torch
 
-from xgr.engine.inputs import BatchInputs, InputStaging, padding_segments
+from xgr.engine.graph_keys import encode_key, padded_shape
+from xgr.engine.inputs import BatchInputs, InputStaging
+from xgr.engine.kv_pool import PromptKVPool
 from xgr.engine.streams import exclusive_stream
-from xgr.kv import SharedKV, kv_buffers
+from xgr.kv import BeamKV, SharedKV
 
 logger = logging.getLogger(__name__)
-
-# The prompt-KV pool grows in powers of two from this many tokens.
-MIN_POOL_TOKENS = 4096
-PREFILL_BUCKET = 256
-BUCKETS_PER_OCTAVE = 8
-# An encoder graph pads its prompts to one length P; under SDPA its attention mask (S x heads
-# x P x P, model dtype) is the graph's largest buffer. Encodes whose mask would pass this run
-# eagerly (the Triton encoder attention, the default, builds no mask).
-MAX_ENCODER_MASK_BYTES = 1 << 30
-ENCODER_BUCKET = 64
-
-
-def prefill_bucket(num_tokens: int) -> int:
-    """Padded token count of a prefill graph: above num_tokens (one padding token at least).
-
-    Multiples of max(PREFILL_BUCKET, 2**floor(log2 n) / BUCKETS_PER_OCTAVE): padding is at
-    most an eighth of a long prefill, and the buckets up to 64k tokens number about 50.
-    """
-    step = _bucket_step(num_tokens, PREFILL_BUCKET)
-    return (num_tokens // step + 1) * step
-
-
-def encoder_bucket(max_len: int) -> int:
-    """Padded prompt length (tokens) of an encoder graph: at least ``max_len``, a multiple
-    of max(ENCODER_BUCKET, 2**floor(log2 max_len) / BUCKETS_PER_OCTAVE)."""
-    step = _bucket_step(max_len, ENCODER_BUCKET)
-    return -(-max_len // step) * step
-
-
-def _bucket_step(n: int, smallest: int) -> int:
-    """Bucket spacing near n: 2**floor(log2 n) / BUCKETS_PER_OCTAVE, at least ``smallest``."""
-    return max(smallest, (1 << max(n.bit_length() - 1, 0)) // BUCKETS_PER_OCTAVE)
-
-
-def _next_power_of_two(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -119,12 +85,11 @@ class CudaGraphs:
         self.max_graphs = max_graphs
         self.lock = threading.RLock()
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
-        self._pool_k: torch.Tensor | None = None
-        self._pool_v: torch.Tensor | None = None
-        self._pool_token_major: torch.Tensor | None = None  # what k and v view, if any
+        self._prompt_kv = PromptKVPool(model)
         self._mempool = None
         self._capture_stream: torch.cuda.Stream | None = None
         self._staging: InputStaging | None = None
+        self._level_one: BeamKV | None = None  # ``_level_one_kv``
         self.captures = 0  # graphs captured so far (for tests and logs)
 
     def accepts(self, num_requests: int) -> bool:
@@ -138,7 +103,7 @@ class CudaGraphs:
         )
         return False
 
-    def stage(self, prompts) -> BatchInputs | None:
+    def stage(self, prompts, level_one: bool = False) -> BatchInputs | None:
         """A batch's inputs written where its prefill graph reads them (``InputStaging``),
         in one copy on the current stream; None where its prefill runs eagerly (logged).
 
@@ -148,9 +113,11 @@ class CudaGraphs:
 
         Args:
             prompts: R non-empty token sequences (lists or int64 arrays).
+            level_one: a decoder-only prefill also runs level 1's forward
+                (``xgr.engine.decode.runs_first_levels_together``); an encoder's ignores it.
         """
         lens = [len(p) for p in prompts]
-        key = self.prefill_key(lens)
+        key = self.prefill_key(lens, level_one)
         if key is None:
             if not self._eager_kind(len(lens)):  # then the size is the reason
                 logger.info(
@@ -160,7 +127,7 @@ class CudaGraphs:
                     max(lens),
                 )
             return None
-        _, slots, padded, _ = key
+        slots, padded = key[1], key[2]
         staging = self._staging_buffer()
         decoder_only = key[0] == "prefill"
         return staging.stage(prompts, slots, padded, decoder_only, key)
@@ -187,7 +154,7 @@ class CudaGraphs:
 
     @property
     def pool_tokens(self) -> int:
-        return 0 if self._pool_k is None else self._pool_k.shape[1]
+        return self._prompt_kv.tokens
 
     def shared_kv(self, inputs, num_tokens: int | None = None) -> SharedKV:
         """The pool as this batch's prompt KV, grown (and graphs dropped) if too small.
@@ -200,30 +167,18 @@ class CudaGraphs:
         return self._pool(inputs.cu_seqlens, inputs.seqlens)
 
     def _pool(self, cu_seqlens: torch.Tensor, seqlens: list[int]) -> SharedKV:
-        return SharedKV(self._pool_k, self._pool_v, cu_seqlens, seqlens, self._pool_token_major)
+        return self._prompt_kv.view(cu_seqlens, seqlens)
 
     def reserve(self, num_tokens: int) -> None:
-        """Grow the prompt-KV pool to hold ``num_tokens`` (dropping every graph) if smaller.
+        """Grow the prompt-KV pool to hold ``num_tokens`` (dropping every graph, which hold
+        the old pool's address) if smaller.
 
         A warm-up reserves its largest batch first: growing later would drop the graphs
         captured before.
         """
         if num_tokens > self.pool_tokens:
-            tokens = MIN_POOL_TOKENS
-            while tokens < num_tokens:
-                tokens *= 2
-            layers, heads, head_dim = self.model.shared_kv_layout
-            weight = self.model.lm_head.weight
-            shape = (layers, tokens, heads, head_dim)
-            if self._pool_k is not None and self._pool_k.is_cuda:  # a launched batch may use it
-                torch.cuda.synchronize(weight.device)
-            self._drop_graphs()  # they hold the old pool's address
-            self._pool_k = self._pool_v = self._pool_token_major = None
-            self._pool_k, self._pool_v, self._pool_token_major = kv_buffers(
-                *shape, weight.dtype, weight.device, self.model.token_major_shared_kv
-            )
-            gib = 2 * self._pool_k.nbytes / 2**30
-            logger.info("prompt-KV pool: %d tokens (%.2f GiB)", tokens, gib)
+            self._drop_graphs()
+            self._prompt_kv.grow(num_tokens)
 
     def _drop_graphs(self) -> None:
         self._graphs.clear()
@@ -231,49 +186,88 @@ class CudaGraphs:
         # capture into a released pool (an internal assert): take a fresh one.
         self._mempool = None
 
-    def replay_prefill(self, inputs: BatchInputs) -> torch.Tensor | None:
+    def replay_prefill(self, inputs: BatchInputs, spec=None) -> tuple:
         """Prefill a batch from its bucket's graph; writes the pool's KV.
 
         Args:
             inputs: the batch as this object's ``stage`` wrote it, and nothing staged since.
+            spec: the ``DecodeSpec`` whose first-level codes level 1's rows run, when
+                ``stage`` was told ``level_one``; else None.
 
         Returns:
-            (R, hidden) graph-owned final hidden state of each prompt's last token; None for
-            an encoder-decoder (its encoder writes the cross-attention K/V).
+            last_hidden: (R, hidden) graph-owned final hidden state of each prompt's last
+                token; None for an encoder-decoder (its encoder writes the cross-attention
+                K/V).
+            level_one: None, or level 1's (V0, hidden) graph-owned hidden states and the
+                one-slot ``BeamKV`` its rows wrote (kept by this object: the next prefill
+                that runs level 1 overwrites it), for ``replay_decode``.
 
         Raises:
-            ValueError: the inputs were not staged (``prepare_inputs`` packs for eager runs).
+            ValueError: the inputs were not staged (``prepare_inputs`` packs for eager
+                runs), or ``spec`` is missing or given against the staged key.
         """
-        from xgr.layers.attention import PrefillMetadata
-
         key, staging = inputs.prefill_key, self._staging
         if key is None or staging is None or inputs.buffer is not staging.buffer:
             raise ValueError("replay_prefill needs inputs from this CudaGraphs' stage()")
         if key[0] == "encode":
             self._replay_encode(key)
-            return None
-        _, slots, padded, max_seqlen = key
-        self.reserve(padded)
+            return None, None
+        level_one = key[4]
+        if level_one != (spec is not None):
+            raise ValueError("replay_prefill needs a spec exactly when staged with level_one")
+        self.reserve(key[2])
+        kv = self._level_one_kv(spec) if level_one else None
+        entry = self._replay(key, lambda: self._build_prefill(key, inputs, spec, kv))
+        hidden, num = entry.outputs[0], inputs.num_requests
+        if not level_one:
+            return hidden[:num], None
+        return hidden[:num], (hidden[num:], kv)
 
-        def build():
-            cu = staging.cu_seqlens_int32(slots + 2)
-            last = staging.region("last_index", slots)
-            shared = self._pool(cu, [])
-            # One request: a causal pass over the whole buffer (padding last changes nothing
-            # before it); several: the packed attention launch keeps the sequences apart.
-            meta = PrefillMetadata(
-                shared, [0, padded], cu, max_seqlen, packed=slots > 1, output_rows=last
-            )
-            tokens = staging.region("tokens", padded)
-            positions = staging.region("positions", padded, padded)
+    def _build_prefill(self, key: tuple, inputs: BatchInputs, spec, kv):
+        """``_replay``'s ``build`` of a decoder-only prefill graph."""
+        from xgr.engine.decode import level_one_inputs, level_one_metadata
+        from xgr.layers.attention import PrefillMetadata
 
-            def run():
+        _, slots, padded, max_seqlen, _ = key
+        staging = self._staging
+        cu = staging.cu_seqlens_int32(slots + 2)
+        shared = self._pool(cu, [])
+        first_codes = None
+        if kv is not None:  # one request: its offsets and length in the staged layout
+            code_shared = self._pool(staging.region("cu_seqlens", slots + 1), [])
+            first_codes = level_one_metadata(spec, code_shared, kv, inputs.cu_seqlens_host)
+        # One request: a causal pass over the whole buffer (padding last changes nothing
+        # before it); several: the packed attention launch keeps the sequences apart.
+        last = staging.region("last_index", slots)
+        meta = PrefillMetadata(
+            shared, [0, padded], cu, max_seqlen, packed=slots > 1, output_rows=last,
+            first_codes=first_codes,
+        )  # fmt: skip
+        tokens = staging.region("tokens", padded)
+        positions = staging.region("positions", padded, padded)
+
+        def run():
+            if kv is None:
                 return (self.model(tokens, positions, meta),)
+            ids, code_positions = level_one_inputs(spec, staging.region("prompt_lens", slots))
+            pass_ids = torch.cat((tokens, ids))
+            return (self.model(pass_ids, torch.cat((positions, code_positions)), meta),)
 
-            return (tokens,), run
+        return (tokens,), run
 
-        entry = self._replay(key, build)
-        return entry.outputs[0][: inputs.num_requests]
+    def _level_one_kv(self, spec) -> BeamKV:
+        """The one-slot K/V that level 1's rows of a single-request prefill write, made
+        once (again, dropping the graphs that wrote the old one, if the code count
+        changed)."""
+        from xgr.engine.decode import level_one_kv
+
+        rows = spec.first_codes.shape[0]
+        if self._level_one is not None and self._level_one.rows.shape[0] != rows:
+            self._drop_graphs()
+            self._level_one = None
+        if self._level_one is None:
+            self._level_one = level_one_kv(spec, 1)
+        return self._level_one
 
     def _replay_encode(self, key: tuple) -> None:
         """Run an encoder-decoder's encoder from its graph (``T5Seq2SeqLM.encode_padded``):
@@ -295,45 +289,35 @@ class CudaGraphs:
 
         self._replay(key, build)
 
-    def needs_capture(self, prompt_lens: list[int], beam_width: int, top_k: int) -> bool:
-        """Whether running this batch would capture a graph or grow the KV pool."""
+    def needs_capture(
+        self, prompt_lens: list[int], beam_width: int, top_k: int, level_one: bool = False
+    ) -> bool:
+        """Whether running this batch would capture a graph or grow the KV pool
+        (``level_one``: ``xgr.engine.decode.runs_first_levels_together`` for the batch)."""
         num = len(prompt_lens)
         if num > self.max_requests:
             return False  # eager
         if self._staging_stale():
             return True  # a new staging buffer drops the graphs
-        key = self.prefill_key(prompt_lens)
+        key = self.prefill_key(prompt_lens, level_one)
         if (key[2] if key else sum(prompt_lens)) > self.pool_tokens:
             return True
         if key is not None and key not in self._graphs:
             return True
-        return ("decode", num, beam_width, top_k) not in self._graphs
+        return ("decode", num, beam_width, top_k, level_one) not in self._graphs
 
-    def prefill_key(self, prompt_lens: list[int]) -> tuple | None:
-        """The graph a batch of prompts of these lengths (tokens) replays for its prefill;
-        None where that prefill runs eagerly (too many requests or tokens, float32 batches)."""
+    def prefill_key(self, prompt_lens: list[int], level_one: bool = False) -> tuple | None:
+        """The graph a batch of prompts of these lengths (tokens) replays for its prefill
+        (``level_one``: as ``stage``); None where that prefill runs eagerly (too many
+        requests or tokens, float32 batches)."""
         total, num = sum(prompt_lens), len(prompt_lens)
         if num > self.max_requests or self._eager_kind(num):
             return None
         if self.model.is_encoder_decoder:
-            return self._encode_key(num, max(prompt_lens))
-        shape = self._shape(total, num, max(prompt_lens))
-        return None if shape[1] > self.max_prefill_tokens else ("prefill", *shape)
-
-    def _encode_key(self, num: int, max_len: int) -> tuple | None:
-        """("encode", slots, slots * P, P): a power-of-two number of prompt slots, each
-        padded to P = ``encoder_bucket`` tokens; None (eager) past the token limit, or past
-        the mask limit where the encoder builds SDPA's square mask."""
-        slots = min(_next_power_of_two(num), self.max_requests)
-        length = encoder_bucket(max_len)
-        weight = self.model.lm_head.weight
-        mask_bytes = slots * self.model.config.num_heads * length**2 * weight.element_size()
-        too_large = mask_bytes > MAX_ENCODER_MASK_BYTES and self.model.encoder_builds_mask(
-            weight.device
-        )
-        if slots * length > self.max_prefill_tokens or too_large:
-            return None
-        return "encode", slots, slots * length, length
+            return encode_key(self.model, num, max(prompt_lens), self.max_requests,
+                              self.max_prefill_tokens)  # fmt: skip
+        shape = padded_shape(total, num, max(prompt_lens), self.max_requests)
+        return None if shape[1] > self.max_prefill_tokens else ("prefill", *shape, level_one)
 
     def _eager_kind(self, num_requests: int) -> bool:
         """Prefills that never replay a graph, whatever their size: several float32 prompts
@@ -342,18 +326,7 @@ class CudaGraphs:
         float32 = self.model.lm_head.weight.dtype == torch.float32
         return not self.model.is_encoder_decoder and num_requests > 1 and float32
 
-    def _shape(self, total: int, num: int, max_seqlen: int) -> tuple[int, int, int]:
-        """(request slots, padded tokens, max sequence length) of a batch's prefill graph."""
-        if num == 1:
-            padded = prefill_bucket(total)
-            return 1, padded, padded
-        slots = self.max_requests
-        padded = prefill_bucket(total + slots - num)
-        _, longest = padding_segments(padded - total, slots - num)
-        # A power of two: the bound is a graph key, and few keys cover any batch.
-        return slots, padded, _next_power_of_two(max(max_seqlen, longest))
-
-    def replay_decode(self, spec, last_hidden, inputs, beam_width: int, top_k: int):
+    def replay_decode(self, spec, last_hidden, inputs, beam_width: int, top_k: int, level_one=None):
         """Run the decode levels of a prefilled batch from its shape's graph.
 
         Args:
@@ -362,17 +335,30 @@ class CudaGraphs:
                 an encoder-decoder (its decoder starts from the start token).
             inputs: the batch's ``BatchInputs`` (device offsets and lengths).
             beam_width, top_k: search parameters.
+            level_one: None, or ``replay_prefill``'s (or an eager prefill's) level 1: its
+                rows' hidden states and their one-slot ``BeamKV``.
 
         Returns:
             nodes, scores: (R, beam_width) graph-owned outputs; copy them before the next call.
         """
-        from xgr.engine.decode import decode_levels, decode_levels_encdec
+        from xgr.engine.decode import (
+            decode_levels,
+            decode_levels_encdec,
+            runs_first_levels_together,
+        )
 
-        key = ("decode", inputs.num_requests, beam_width, top_k)
+        # Whether level 1 runs in the pass before it: a key of its own, so that a switch of
+        # ``FIRST_LEVELS_TOGETHER`` never replays a graph of the other path.
+        together = runs_first_levels_together(spec, inputs.num_requests, beam_width)
+        if not spec.model.is_encoder_decoder and together != (level_one is not None):
+            raise ValueError("replay_decode needs level 1's prefill rows exactly when they ran")
+        key = ("decode", inputs.num_requests, beam_width, top_k, together)
         if spec.model.is_encoder_decoder:
             batch = (inputs.cu_seqlens,)
         else:
             batch = (last_hidden, inputs.prompt_lens, inputs.cu_seqlens)
+        if level_one is not None:
+            batch = (level_one[0], *batch)
         # Made again here after a limit changed, as ``needs_capture`` predicts, also for an
         # eagerly prefilled batch.
         staging = self._staging_buffer()
@@ -386,6 +372,8 @@ class CudaGraphs:
             if not spec.model.is_encoder_decoder:
                 lens = staging.region("prompt_lens", num)
                 static = (torch.empty_like(last_hidden), lens, *static)
+            if level_one is not None:  # its K/V stay where the prefill wrote them
+                static = (torch.empty_like(level_one[0]), *static)
             shared = self._pool(static[-1], [])
             # The kernels read prompt offsets from the device; the host offsets of the
             # capturing batch reach only the torch reference attention, never used here.
@@ -394,8 +382,9 @@ class CudaGraphs:
             def run():
                 if spec.model.is_encoder_decoder:
                     return decode_levels_encdec(spec, shared, host_cu, beam_width, top_k)
-                hidden, lens, _ = static
-                return decode_levels(spec, hidden, lens, shared, host_cu, beam_width, top_k)
+                first = None if level_one is None else (static[0], level_one[1])
+                hidden, lens, _ = static[-3:]
+                return decode_levels(spec, hidden, lens, shared, host_cu, beam_width, top_k, first)
 
             return static, run
 

@@ -5,85 +5,18 @@ decode forward between levels, for decoder-only and encoder-decoder models (step
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from xgr.beam import BeamState, constrained_beam_step
-from xgr.beam.logits import code_log_probs, distinct_code_mask, level_head_weights
 from xgr.catalog.trie import PrefixTrie
+from xgr.engine.spec import DecodeSpec
 from xgr.kv import BeamKV, SharedKV
 from xgr.layers.attention import DecodeMetadata
-from xgr.models.decoder import CausalLM
-from xgr.models.t5 import EncDecDecodeMetadata, T5Seq2SeqLM
+from xgr.models.t5 import EncDecDecodeMetadata
 
-# Run an encoder-decoder's start step and level 1's forward in one pass where the beam
-# holds every first-level code (``runs_first_levels_together``).
+# Run level 1's forward in the pass before it where the beam holds every first-level code
+# (``runs_first_levels_together``).
 FIRST_LEVELS_TOGETHER = True
-
-
-@dataclass
-class DecodeSpec:
-    """What the decode levels need besides the batch: model, catalog and scoring.
-
-    Attributes:
-        model: the decoder-only LM or the T5 encoder-decoder.
-        trie: the catalog's valid-path trie, on the model's device.
-        sid_token_ids: (num_levels, codebook_size) int64 vocabulary id of each code.
-        level_weights: (num_levels, codebook_size, hidden) LM-head rows of each level's
-            codes: float32, or the model dtype for a float16/bfloat16 model on CUDA (the
-            same values; ``code_log_probs`` then takes a tensor-core GEMM with float32
-            output).
-        code_mask: (num_levels, codebook_size) bool, True for the codes that are distinct
-            in-vocabulary tokens: the set each level's scores are normalized over when
-            ``full_vocab`` is False, and whose float32 logits replace their rounded ones in
-            the full-vocabulary normalizer.
-        full_vocab: normalize scores over the whole vocabulary (exact log-probabilities);
-            False normalizes over each level's codes (vocabularies of codes only).
-        attention_backend: "torch" (reference) or "triton" (GPU kernel) decode attention.
-        first_codes: (V0,) int64 the catalog's first-level codes (the trie root's
-            children), ascending; None: not computed (``build`` computes it).
-        first_nodes: (V0,) int64 trie node (depth 1) of each of ``first_codes``.
-    """
-
-    model: CausalLM | T5Seq2SeqLM
-    trie: PrefixTrie
-    sid_token_ids: torch.Tensor
-    level_weights: torch.Tensor
-    code_mask: torch.Tensor
-    full_vocab: bool = True
-    attention_backend: str = "torch"
-    first_codes: torch.Tensor | None = None
-    first_nodes: torch.Tensor | None = None
-
-    @classmethod
-    def build(
-        cls,
-        model: CausalLM | T5Seq2SeqLM,
-        trie: PrefixTrie,
-        sid_token_ids: torch.Tensor,
-        full_vocab: bool = True,
-        attention_backend: str = "torch",
-    ) -> DecodeSpec:
-        head = model.lm_head.weight.detach()
-        weights = level_head_weights(head, sid_token_ids)
-        if head.is_cuda and head.dtype != torch.float32:
-            weights = weights.to(head.dtype)  # exact: the rows were in this dtype
-        mask = distinct_code_mask(sid_token_ids, model.config.vocab_size)
-        # Read once here (a host sync), so the decode levels index them without one.
-        codes, nodes, valid = trie.levels[0].expand(
-            torch.zeros(1, dtype=torch.int64, device=sid_token_ids.device)
-        )
-        first_codes, first_nodes = codes[valid], nodes[valid]
-        return cls(
-            model, trie, sid_token_ids, weights, mask, full_vocab, attention_backend,
-            first_codes, first_nodes,
-        )  # fmt: skip
-
-    def log_probs(self, hidden: torch.Tensor, level: int) -> torch.Tensor:
-        """(N, hidden) -> (N, codebook_size) float32 log-probabilities of the level's codes."""
-        full = self.model.lm_head.weight if self.full_vocab else None
-        return code_log_probs(hidden, self.level_weights[level], full, self.code_mask[level])
 
 
 def decode_levels(
@@ -94,6 +27,7 @@ def decode_levels(
     cu_seqlens_host: list[int],
     beam_width: int,
     top_k: int,
+    level_one: tuple[torch.Tensor, BeamKV] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every level's selection and decode forward for a prefilled batch (no host sync).
 
@@ -104,6 +38,9 @@ def decode_levels(
         shared: the batch's prompt KV (filled by prefill).
         cu_seqlens_host: R + 1 prompt offsets (read by the torch reference attention only).
         beam_width, top_k: search parameters.
+        level_one: None, or level 1's forward run within the prefill
+            (``runs_first_levels_together``): the (R * V0, hidden) hidden states of its
+            rows (``level_one_inputs``) and the one-slot ``level_one_kv`` they wrote.
 
     Returns:
         nodes: (R, beam_width) int64 semantic-ID row of each final beam, best first.
@@ -111,15 +48,13 @@ def decode_levels(
     """
     cfg = spec.model.config
     num_requests, num_levels = last_hidden.shape[0], len(spec.trie.levels)
+    rows = num_requests * beam_width
+    if level_one is not None:
+        rows = max(rows, level_one[0].shape[0])
     beam = BeamKV.allocate(
-        cfg.num_layers,
-        num_requests * beam_width,
-        max(num_levels - 1, 1),
-        cfg.num_kv_heads,
-        cfg.head_dim,
-        last_hidden.dtype,
-        last_hidden.device,
-    )
+        cfg.num_layers, rows, max(num_levels - 1, 1), cfg.num_kv_heads, cfg.head_dim,
+        last_hidden.dtype, last_hidden.device,
+    )  # fmt: skip
 
     def forward(ids: torch.Tensor, level: int, width: int) -> torch.Tensor:
         pos = (prompt_lens + level - 1)[:, None].expand(num_requests, width)
@@ -128,7 +63,77 @@ def decode_levels(
         return spec.model(ids, pos.reshape(-1), meta)
 
     first = spec.log_probs(last_hidden, 0)
-    return _search_levels(spec, first, beam, forward, beam_width, top_k)
+    if level_one is None:
+        return _search_levels(spec, first, beam, forward, beam_width, top_k)
+    hidden, kv = level_one
+    written = hidden.shape[0]
+    beam.k[:, :written, 0] = kv.k[:, :, 0]  # slot 0 of the code rows, in their order
+    beam.v[:, :written, 0] = kv.v[:, :, 0]
+    beam.length = 1
+    state = _level_one_step(spec, first, spec.log_probs(hidden, 1), beam_width, top_k)
+    widths = live_beam_widths(spec.trie, beam_width, top_k)[1:]
+    layout = (spec.first_codes.shape[0], 0)  # level 1's parent p of request r: row r * V0 + p
+    return _later_levels(spec, state, beam, forward, beam_width, top_k, widths, layout)
+
+
+def level_one_inputs(spec: DecodeSpec, prompt_lens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Token ids and positions of the rows that run level 1's forward within a decoder-only
+    prefill: every first-level code of each request, at the position after its prompt.
+
+    Args:
+        spec: the model's ``DecodeSpec`` (``first_codes``).
+        prompt_lens: (R,) int64 prompt lengths on the device.
+
+    Returns:
+        ids, positions: (R * V0,) int64 each, request-major, codes in ``first_codes`` order.
+    """
+    num_requests, num_codes = prompt_lens.shape[0], spec.first_codes.shape[0]
+    vocab = spec.model.config.vocab_size
+    ids = spec.sid_token_ids[0][spec.first_codes].clamp(0, vocab - 1)
+    shape = (num_requests, num_codes)
+    return ids.expand(shape).reshape(-1), prompt_lens[:, None].expand(shape).reshape(-1)
+
+
+def level_one_kv(spec: DecodeSpec, num_requests: int) -> BeamKV:
+    """The one-slot ``BeamKV`` that level 1's rows of a prefill write: R * V0 rows."""
+    cfg, weight = spec.model.config, spec.model.lm_head.weight
+    rows = num_requests * spec.first_codes.shape[0]
+    return BeamKV.allocate(
+        cfg.num_layers, rows, 1, cfg.num_kv_heads, cfg.head_dim, weight.dtype, weight.device
+    )
+
+
+def level_one_metadata(
+    spec: DecodeSpec, shared: SharedKV, kv: BeamKV, cu_seqlens_host: list[int]
+) -> DecodeMetadata:
+    """The ``PrefillMetadata.first_codes`` of level 1's rows in a prefill: V0 rows a
+    request writing slot 0 of ``kv`` (``level_one_kv``) and attending over ``shared`` (its
+    ``cu_seqlens``: (R + 1,) prompt offsets on the device)."""
+    width = spec.first_codes.shape[0]
+    return DecodeMetadata(shared, kv, cu_seqlens_host, width, spec.attention_backend)
+
+
+def _level_one_step(
+    spec: DecodeSpec, first: torch.Tensor, second: torch.Tensor, beam_width: int, top_k: int
+) -> BeamState:
+    """Level 1's selection when level 0 kept every first-level code: level 0's beams are
+    the V0 codes in ``first_codes`` order with their scores, and level 1's candidates are
+    read from the rows that ran all of them.
+
+    Args:
+        first: (R, codebook_size) float32 level-0 code log-probabilities.
+        second: (R * V0, codebook_size) float32 level-1 code log-probabilities of each
+            request's code rows, request-major.
+    """
+    codes = spec.first_codes
+    num_requests, num_codes = first.shape[0], codes.shape[0]
+    shape = (num_requests, num_codes)
+    zeros = torch.zeros(shape, dtype=torch.int64, device=first.device)
+    level_0 = BeamState(first[:, codes], spec.first_nodes.expand(shape), codes.expand(shape), zeros)
+    return constrained_beam_step(
+        level_0, second.view(num_requests, num_codes, -1), spec.trie.levels[1], None,
+        beam_width, top_k,
+    )  # fmt: skip
 
 
 def decode_levels_encdec(
@@ -150,7 +155,7 @@ def decode_levels_encdec(
     Returns:
         nodes, scores: as ``decode_levels``.
     """
-    if runs_first_levels_together(spec, beam_width):
+    if runs_first_levels_together(spec, len(cu_seqlens_host) - 1, beam_width):
         return _decode_encdec_start_and_codes(spec, shared, cu_seqlens_host, beam_width, top_k)
     model = spec.model
     device = shared.k.device
@@ -178,20 +183,28 @@ def decode_levels_encdec(
     return _search_levels(spec, first, beam, forward, beam_width, top_k)
 
 
-def runs_first_levels_together(spec: DecodeSpec, beam_width: int) -> bool:
-    """Whether an encoder-decoder's decode runs its start step and level 1's forward in
-    one pass (``T5Seq2SeqLM.decode_start_and_codes``) instead of one after the other.
+def runs_first_levels_together(spec: DecodeSpec, num_requests: int, beam_width: int) -> bool:
+    """Whether level 1's forward runs in the same pass as the step before it: an
+    encoder-decoder's decoder start step (``T5Seq2SeqLM.decode_start_and_codes``), or the
+    prefill of a decoder-only model's single request (``PrefillMetadata.first_codes``).
 
     Level 1's forward takes the codes that level 0 keeps as input. When the beam holds
-    every first-level code of the catalog, level 0 keeps them all, whatever their scores:
-    the forward can run on all of them before their scores are known, beside the start
-    token, and one pass over the decoder's weights replaces two. Its rows (1 + V0 a
-    request) are the V0 that level 1 would run anyway, plus the start token's.
-    ``FIRST_LEVELS_TOGETHER`` False turns it off.
+    every first-level code of the catalog (V0 <= beam width), level 0 keeps them all,
+    whatever their scores: the forward can run on all of them before their scores are
+    known, and one pass over the weights replaces two. Its V0 rows a request are those
+    level 1 would run anyway. Batches of several requests of a decoder-only model keep
+    the steps apart: the packed prefill graphs pad to a fixed number of request slots,
+    whose code rows would follow the padding. ``FIRST_LEVELS_TOGETHER`` False turns both
+    off.
+
+    The results are those of the steps one after the other, with two differences that
+    change no outcome: a code whose level-0 score is NaN is dropped at level 1's selection
+    instead of level 0's, and candidates of exactly equal scores may come out in another
+    order (level 1's pool lists the codes in ``first_codes`` order, not by level-0 score).
     """
     return (
         FIRST_LEVELS_TOGETHER
-        and spec.model.is_encoder_decoder
+        and (spec.model.is_encoder_decoder or num_requests == 1)
         and spec.first_codes is not None
         and len(spec.trie.levels) >= 2
         and spec.first_codes.shape[0] <= beam_width
@@ -233,13 +246,7 @@ def _decode_encdec_start_and_codes(
     beam.length = 2
     first = spec.log_probs(hidden[:, 0], 0)  # [R, codebook]
     second = spec.log_probs(hidden[:, 1:].reshape(num_requests * num_codes, -1), 1)
-    shape = (num_requests, num_codes)
-    zeros = torch.zeros(shape, dtype=torch.int64, device=device)
-    level_0 = BeamState(first[:, codes], spec.first_nodes.expand(shape), codes.expand(shape), zeros)
-    state = constrained_beam_step(
-        level_0, second.view(num_requests, num_codes, -1), spec.trie.levels[1], None,
-        beam_width, top_k,
-    )  # fmt: skip
+    state = _level_one_step(spec, first, second, beam_width, top_k)
 
     def forward(ids: torch.Tensor, _level: int, width: int) -> torch.Tensor:
         rows = torch.arange(num_requests * width, device=device)

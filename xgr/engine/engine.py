@@ -23,7 +23,7 @@ from xgr.core import (
     positive_int,
 )
 from xgr.engine.cuda_graph import CudaGraphs
-from xgr.engine.decode import DecodeSpec
+from xgr.engine.decode import runs_first_levels_together
 from xgr.engine.generate import generate_semantic_ids, launch_semantic_ids
 from xgr.engine.inputs import PREFILL_PAD_TOKEN
 from xgr.engine.model_folder import (
@@ -35,6 +35,7 @@ from xgr.engine.model_folder import (
 )
 from xgr.engine.prompt import PromptFormat, integer_tokens, refuse_unknown_pieces
 from xgr.engine.results import PendingRecommendation, item_id_set
+from xgr.engine.spec import DecodeSpec
 from xgr.engine.streams import CaptureGate, exclusive_stream
 from xgr.engine.warm_up import warm_up_batches
 from xgr.kernels.backend import select_attention_backend
@@ -386,7 +387,8 @@ class Engine:
         may have dropped graphs (a pool growth) since the first check."""
         stream = self._streams[lane]
         graphs = self._lane_graphs[lane - 1] if lane else self.graphs
-        shape = ([len(t) for t in tokenized], search.beam_width, search.top_k)
+        level_one = runs_first_levels_together(self.decode_spec, len(tokenized), search.beam_width)
+        shape = ([len(t) for t in tokenized], search.beam_width, search.top_k, level_one)
         concurrent = graphs is not None and self.lanes > 1
         alone = concurrent and graphs.needs_capture(*shape)
         while True:

@@ -35,8 +35,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from xgr.engine.decode import DecodeSpec, decode_levels, decode_levels_encdec
+from xgr.engine.decode import (
+    decode_levels,
+    decode_levels_encdec,
+    level_one_inputs,
+    level_one_kv,
+    level_one_metadata,
+    runs_first_levels_together,
+)
 from xgr.engine.inputs import BatchInputs, prepare_inputs
+from xgr.engine.spec import DecodeSpec
 from xgr.kv import SharedKV
 from xgr.layers.attention import PrefillMetadata
 from xgr.models.decoder import CausalLM
@@ -60,20 +68,34 @@ class GenerationOutput:
     decode_ms: float = 0.0
 
 
-def prefill(model: CausalLM, inputs: BatchInputs, shared: SharedKV) -> torch.Tensor:
+def prefill(
+    model: CausalLM, inputs: BatchInputs, shared: SharedKV, level_one: tuple | None = None
+) -> torch.Tensor:
     """Run the packed prompts once, writing every layer's prompt KV into ``shared``.
 
+    Args:
+        level_one: None, or level 1's rows to run in the same pass
+            (``xgr.engine.decode.runs_first_levels_together``): their (C,) int64 token ids
+            and positions (``level_one_inputs``) and their ``DecodeMetadata``
+            (``level_one_metadata``).
+
     Returns:
-        (R, hidden_size) final hidden state of each prompt's last token, model dtype.
+        (R + C, hidden_size) final hidden state of each prompt's last token, then of each
+        of level 1's rows, model dtype.
     """
+    tokens, positions, first_codes = inputs.tokens, inputs.positions, None
+    if level_one is not None:
+        ids, code_positions, first_codes = level_one
+        tokens, positions = torch.cat((tokens, ids)), torch.cat((positions, code_positions))
     meta = PrefillMetadata(
         shared,
         inputs.cu_seqlens_host,
         inputs.cu_seqlens_int32,
         inputs.max_seqlen,
         output_rows=inputs.last_index,
+        first_codes=first_codes,
     )
-    return model(inputs.tokens, inputs.positions, meta)
+    return model(tokens, positions, meta)
 
 
 def allocate_shared_kv(model: CausalLM | T5Seq2SeqLM, inputs: BatchInputs) -> SharedKV:
@@ -215,31 +237,44 @@ def _launch(spec, prompts, beam_width, top_k, graphs) -> PendingGeneration:
     start = time.perf_counter()
     encdec = spec.model.is_encoder_decoder
     use_graph = graphs is not None and graphs.accepts(len(prompts))
+    # Level 1 within a decoder-only prefill (an encoder-decoder decides in its decode).
+    with_level_one = not encdec and runs_first_levels_together(spec, len(prompts), beam_width)
+    level_one = None
     # A graphed prefill's inputs go straight to where its graph reads them.
-    inputs = graphs.stage(prompts) if use_graph else None
+    inputs = graphs.stage(prompts, with_level_one) if use_graph else None
     last_hidden = None
     if inputs is not None:
-        last_hidden = graphs.replay_prefill(inputs)
+        last_hidden, level_one = graphs.replay_prefill(inputs, spec if with_level_one else None)
     else:
         inputs = prepare_inputs(prompts, device)
         shared = graphs.shared_kv(inputs) if use_graph else allocate_shared_kv(spec.model, inputs)
         if encdec:  # the encoder writes every decoder layer's cross-attention K/V
             spec.model.encode(inputs.tokens, inputs.cu_seqlens_host, shared)
+        elif with_level_one:
+            kv = level_one_kv(spec, inputs.num_requests)
+            meta = level_one_metadata(spec, shared, kv, inputs.cu_seqlens_host)
+            rows = (*level_one_inputs(spec, inputs.prompt_lens), meta)
+            hidden = prefill(spec.model, inputs, shared, rows)
+            last_hidden, level_one = hidden[: inputs.num_requests], (
+                hidden[inputs.num_requests :], kv)  # fmt: skip
         else:
             last_hidden = prefill(spec.model, inputs, shared)
     if cuda:
         events[1].record()
     prefilled = time.perf_counter()
     if use_graph:
-        nodes, scores = graphs.replay_decode(spec, last_hidden, inputs, beam_width, top_k)
+        nodes, scores = graphs.replay_decode(
+            spec, last_hidden, inputs, beam_width, top_k, level_one
+        )
     elif encdec:
         nodes, scores = decode_levels_encdec(
             spec, shared, inputs.cu_seqlens_host, beam_width, top_k
         )
     else:
         nodes, scores = decode_levels(
-            spec, last_hidden, inputs.prompt_lens, shared, inputs.cu_seqlens_host, beam_width, top_k
-        )
+            spec, last_hidden, inputs.prompt_lens, shared, inputs.cu_seqlens_host, beam_width,
+            top_k, level_one,
+        )  # fmt: skip
     if not cuda:
         done = time.perf_counter()
         host_ms = ((prefilled - start) * 1e3, (done - prefilled) * 1e3)

@@ -168,8 +168,10 @@ def start_and_codes_attention(
     contiguous; beam_k and beam_v share one layout.
 
     Raises:
-        ValueError: mismatched shapes, N not a multiple of ``rows_per_request``, beam K/V
-            with fewer than N rows or 2 slots, or a non-contiguous last dimension.
+        ValueError: mismatched q/k/v shapes, N not a multiple of ``rows_per_request``, beam
+            K and V of different shapes or layouts, beam K/V with fewer than N rows or 2
+            slots or other heads, a bias not (num_heads, 2), or a non-contiguous last
+            dimension.
     """
     rows, num_heads, head_dim = q.shape
     if k.shape != q.shape or v.shape != q.shape:

@@ -33,6 +33,13 @@ class PrefillMetadata:
             these rows only, and its last layer runs attention, the output projection and
             the MLP for them alone (it still writes the KV of every token): the other rows'
             last-layer outputs are never read.
+        first_codes: None, or the decode metadata of rows that follow the prompt tokens in
+            the same pass: each request's candidate first codes, one position after its
+            prompt (level 1's forward, ``xgr.engine.decode.level_one_in_prefill``). They
+            write their K/V into slot 0 of ``first_codes.beam`` (row r * W + j for code j of
+            request r, W = ``first_codes.beam_width``) and attend over their request's
+            prompt and themselves; the forward returns their hidden states after the
+            ``output_rows`` ones.
     """
 
     shared: SharedKV
@@ -41,6 +48,12 @@ class PrefillMetadata:
     max_seqlen: int | None = None
     packed: bool | None = None
     output_rows: torch.Tensor | None = None
+    first_codes: DecodeMetadata | None = None
+
+    @property
+    def num_code_rows(self) -> int:
+        """Rows of ``first_codes`` at the end of the pass (0 without them)."""
+        return 0 if self.first_codes is None else self.first_codes.beam.rows.shape[0]
 
 
 @dataclass
@@ -113,38 +126,52 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x: (T, hidden) tokens (prompt tokens, or one per beam); returns (T, hidden).
 
-        With ``rows`` (prefill only: (R,) int64 index of each prompt's last token), every
-        token's K/V is still written but only these rows attend, and (R, hidden) is returned.
+        With ``rows`` (prefill only: (R,) int64 index of each prompt's last token, then the
+        index of each ``meta.first_codes`` row), every token's K/V is still written but only
+        these rows attend, and (len(rows), hidden) is returned.
         """
         tokens, layer = x.shape[0], self.layer_index
-        # Where this layer's new K/V go: the prompt KV (prefill; it may be a larger reused
-        # buffer whose first tokens the batch fills) or each beam's next slot (decode).
-        if isinstance(meta, PrefillMetadata):
-            k, v = meta.shared.k[layer, :tokens], meta.shared.v[layer, :tokens]
-        else:
-            slot = meta.beam.length
-            k, v = meta.beam.k[layer, :tokens, slot], meta.beam.v[layer, :tokens, slot]
         if self.qkv_proj is not None:  # one GEMM
             qkv = self.qkv_proj(x)
         else:  # the HF-named projections, before fuse_projections
             qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=1)
-        norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
-        eps = self.q_norm.eps if self.qk_norm else 0.0
-        q = qkv_heads(qkv, self.num_heads, self.num_kv_heads, cos, sin, k, v, *norms, eps)
+        if isinstance(meta, DecodeMetadata):
+            slot = meta.beam.length
+            q = self._heads(qkv, cos, sin, meta.beam.k[layer, :tokens, slot],
+                            meta.beam.v[layer, :tokens, slot])  # fmt: skip
+            out = self._decode(q, meta, slot + 1)  # the current token attends to itself too
+            return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        codes = meta.num_code_rows
+        prompt = tokens - codes
+        # The prompt KV may be a larger reused buffer whose first tokens the batch fills.
+        k, v = meta.shared.k[layer, :prompt], meta.shared.v[layer, :prompt]
+        q = self._heads(qkv[:prompt], cos[:prompt], sin[:prompt], k, v)
         if rows is not None:
             cu = meta.cu_seqlens_device
             if cu is None:
                 cu = torch.tensor(meta.cu_seqlens, dtype=torch.int32, device=q.device)
-            out = last_token_attention(q[rows], k, v, cu, self.scale, meta.cu_seqlens)
-            tokens = rows.shape[0]
-        elif isinstance(meta, PrefillMetadata):
+            last = rows[: rows.shape[0] - codes]
+            out = last_token_attention(q[last], k, v, cu, self.scale, meta.cu_seqlens)
+        else:
             out = prefill_attention(
                 q, k, v, meta.cu_seqlens, self.scale, meta.cu_seqlens_device, meta.max_seqlen,
                 meta.packed,
             )  # fmt: skip
-        else:
-            out = self._decode(q, meta, slot + 1)  # the current token attends to itself too
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        if codes:
+            beam = meta.first_codes.beam
+            q = self._heads(qkv[prompt:], cos[prompt:], sin[prompt:], beam.k[layer, :, 0],
+                            beam.v[layer, :, 0])  # fmt: skip
+            out = torch.cat((out, self._decode(q, meta.first_codes, 1)))
+        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
+
+    def _heads(self, qkv, cos, sin, k_out, v_out) -> torch.Tensor:
+        """``qkv_heads`` with this layer's head counts and q/k norms: q of the rows of qkv,
+        their k and v written into k_out / v_out."""
+        norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+        eps = self.q_norm.eps if self.qk_norm else 0.0
+        return qkv_heads(
+            qkv, self.num_heads, self.num_kv_heads, cos, sin, k_out, v_out, *norms, eps
+        )
 
     def _decode(self, q: torch.Tensor, meta: DecodeMetadata, num_tokens: int) -> torch.Tensor:
         """Attention of the beams' queries over the prompt KV and their first num_tokens."""

@@ -91,18 +91,24 @@ class CausalLM(nn.Module):
         """Run the layers over a packed set of tokens.
 
         Args:
-            input_ids: (T,) int64 token ids (all prompt tokens, or one token per beam).
+            input_ids: (T,) int64 token ids (all prompt tokens, or one token per beam; a
+                prefill's ``meta.first_codes`` rows last).
             positions: (T,) int64 position of each token in its sequence.
             meta: prefill (writes the shared KV) or decode (writes the beams' KV) metadata.
 
         Returns:
-            (T, hidden_size) final hidden states in the model dtype; (R, hidden_size), those
-            of ``meta.output_rows``, when a prefill's metadata sets them.
+            (T, hidden_size) final hidden states in the model dtype; (R + C, hidden_size),
+            those of ``meta.output_rows`` and then of the C ``meta.first_codes`` rows, when a
+            prefill's metadata sets them.
         """
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         delta = None
         rows = meta.output_rows if isinstance(meta, PrefillMetadata) else None
+        if rows is not None and meta.num_code_rows:
+            total = len(input_ids)
+            codes = torch.arange(total - meta.num_code_rows, total, device=x.device)
+            rows = torch.cat((rows, codes))
         last = len(self.model.layers) - 1
         for index, layer in enumerate(self.model.layers):
             x, delta = layer(x, cos, sin, meta, delta, rows if index == last else None)

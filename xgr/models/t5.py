@@ -46,7 +46,7 @@ from xgr.models.t5_small_rows import decode_small_rows, small_rows_kernels
 # took 89 and 405 us to build per encode); SDPA was ahead by 1 us a layer only for eight
 # 256-token prompts, less than the mask it builds. Set it before an engine captures its
 # graphs (captured graphs keep what they ran). Under SDPA, encodes whose square mask would be
-# too large for a graph run eagerly (``engine.cuda_graph.MAX_ENCODER_MASK_BYTES``).
+# too large for a graph run eagerly (``engine.graph_keys.MAX_ENCODER_MASK_BYTES``).
 ENCODER_ATTENTION = "triton"
 
 __all__ = ["EncDecDecodeMetadata", "T5Seq2SeqLM"]
@@ -271,13 +271,15 @@ class T5Seq2SeqLM(nn.Module):
 
         Rows are request-major, P = ``meta.beam_width`` a request: row r * P is request r's
         start token, the next P - 1 rows its candidate codes (position 1). Row n writes its
-        self-attention K/V into beam row n (``meta.kv_rows`` must be 0 .. N - 1): slot 0
-        for the start token, slot 1 for a code, whose slot-0 ancestry must already point
-        at its request's start row. Every row also attends over its request's encoder K/V.
+        self-attention K/V into beam row n whatever ``meta.kv_rows`` and
+        ``meta.beam.length`` say: slot 0 for the start token, slot 1 for a code. Later steps
+        that read slot 0 of a code's row through the ancestry index need that entry set to
+        the request's start row first. Every row also attends over its request's encoder
+        K/V.
 
         Args:
             input_ids: (N,) int64, the decoder start token at rows r * P, codes elsewhere.
-            meta: the pass's metadata, ``meta.beam.length`` 0.
+            meta: the pass's metadata.
 
         Returns:
             (N, d_model) input of the LM head, model dtype, as ``decode``.

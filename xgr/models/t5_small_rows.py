@@ -1,7 +1,7 @@
 """A T5 decoder step over a few rows with each projection fused with its sublayer's
 elementwise work (``xgr.kernels.triton_small_rows_linear``): the CUDA path of
-``T5Seq2SeqLM.decode`` for steps of at most that kernel's ``MAX_ROWS`` rows (the decoder
-start step when it runs alone, one row a request).
+``T5Seq2SeqLM.decode`` for any step of at most that kernel's ``MAX_ROWS`` rows (the decoder
+start step when it runs alone, one row a request, or a later level of a small beam).
 """
 
 from __future__ import annotations
