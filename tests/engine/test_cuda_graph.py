@@ -11,6 +11,7 @@ import torch
 from tests.conftest import random_catalog, sequential_sid_map, write_random_t5
 from xgr import Engine
 from xgr.engine.cuda_graph import CudaGraphs, _Graph
+from xgr.engine.decode import runs_first_levels_together
 from xgr.engine.generate import _launch
 from xgr.engine.graph_keys import MAX_ENCODER_MASK_BYTES, encoder_bucket, prefill_bucket
 from xgr.engine.inputs import prepare_inputs
@@ -170,6 +171,33 @@ def test_graph_buffers_give_the_eager_results_on_the_cpu(arch, model_dirs, tmp_p
         torch.testing.assert_close(got.scores, want.scores, atol=1e-5, rtol=1e-5)
     # Fewer graphs than batches: later batches replayed earlier captures.
     assert graphs.captures < 2 * len(batches)
+
+
+def test_single_requests_with_level_one_mixing_graphed_and_eager_prefills_on_the_cpu(
+    model_dirs, monkeypatch
+):
+    """A single request whose beam holds every first-level code runs level 1 within its
+    prefill, graphed or (too long for the graph limit) eager; its decode replays one graph,
+    which must read that prefill's level-1 K/V whichever ran (capture re-runs the work)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":  # tests/conftest.py sets it without a GPU
+        pytest.skip("Triton reads CPU tensors only interpreted; the GPU tests replay real graphs")
+    monkeypatch.setattr(CudaGraphs, "_capture", _capture_by_rerun)
+    catalog = random_catalog(300, 3, 16, seed=3)
+    sid_map = sequential_sid_map(3, 16, 40)
+    engine = Engine.from_pretrained(model_dirs["qwen2"], catalog=catalog, sid_token_ids=sid_map)
+    spec = engine.decode_spec
+    spec.attention_backend = "triton"
+    assert runs_first_levels_together(spec, 1, 16)
+    graphs = CudaGraphs(engine.model, max_requests=4, max_prefill_tokens=256)
+    gen = torch.Generator().manual_seed(1)
+    for n in (300, 30, 280, 40):  # above 256 padded tokens: eager prefills
+        prompt = torch.randint(2, 40, (n,), generator=gen).tolist()
+        assert (graphs.prefill_key([n], True) is None) == (n > 200)
+        want = _launch(spec, [prompt], 16, 16, None).wait()
+        got = _launch(spec, [prompt], 16, 16, graphs).wait()
+        assert torch.equal(got.sid_index, want.sid_index), n
+        torch.testing.assert_close(got.scores, want.scores, atol=1e-5, rtol=1e-5)
+    assert graphs.captures == 2  # one decode graph, one prefill bucket (30 and 40 tokens)
 
 
 def _interpreted_engine(folder, offset, monkeypatch):

@@ -6,7 +6,8 @@ with no host involvement:
 
 - **prefill** graphs are keyed by padded tokens (and, for several requests, a power-of-two
   bound on the sequence length): the batch's packed prompts are followed by padding up to a
-  bucket size (eight buckets per power of two, at least ``PREFILL_BUCKET`` tokens apart, so
+  bucket size (``xgr.engine.graph_keys``: eight buckets per power of two, at least
+  ``PREFILL_BUCKET`` tokens apart, so
   at most 1/8 of a prefill is padding), so prompts of any lengths with the same total reuse
   one graph. Padding tokens form their own sequences: with one request a causal attention
   over the whole buffer leaves the real tokens' results unchanged (padding comes last);
@@ -14,9 +15,12 @@ with no host involvement:
   the requests a batch lacks (up to ``max_requests``) stand in as sequences of the
   padding, so one graph serves every batch size: under load the set of graphs stays
   small (a graph per (requests, bucket) pair thrashed the cache and captured per batch).
-- **decode** graphs are keyed by (requests, beam width, top-k) and hold every level's
+- **decode** graphs are keyed by (requests, beam width, top-k, whether level 1 ran within
+  the step before, ``xgr.engine.decode.runs_first_levels_together``) and hold every level's
   selection, decode forward and KV bookkeeping; prompt lengths enter only through device
-  tensors (offsets and lengths read by the kernels).
+  tensors (offsets and lengths read by the kernels). A single request's prefill graph that
+  also runs level 1 is keyed apart (the prefill keys' last field) and writes its code rows'
+  K/V into one buffer that the decode graphs read (``level_one_kv``).
 
 A batch's host-built inputs reach the device in one copy, straight into a staging buffer
 whose views are the graphs' static inputs (``xgr.engine.inputs.InputStaging``): no
@@ -216,7 +220,7 @@ class CudaGraphs:
         if level_one != (spec is not None):
             raise ValueError("replay_prefill needs a spec exactly when staged with level_one")
         self.reserve(key[2])
-        kv = self._level_one_kv(spec) if level_one else None
+        kv = self.level_one_kv(spec) if level_one else None
         entry = self._replay(key, lambda: self._build_prefill(key, inputs, spec, kv))
         hidden, num = entry.outputs[0], inputs.num_requests
         if not level_one:
@@ -255,10 +259,10 @@ class CudaGraphs:
 
         return (tokens,), run
 
-    def _level_one_kv(self, spec) -> BeamKV:
-        """The one-slot K/V that level 1's rows of a single-request prefill write, made
-        once (again, dropping the graphs that wrote the old one, if the code count
-        changed)."""
+    def level_one_kv(self, spec) -> BeamKV:
+        """The one-slot K/V that level 1's rows of a single-request prefill write, graphed
+        or eager, and that the decode graphs read: one buffer at one address, made once
+        (again, dropping the graphs that use the old one, if the code count changed)."""
         from xgr.engine.decode import level_one_kv
 
         rows = spec.first_codes.shape[0]
@@ -336,10 +340,16 @@ class CudaGraphs:
             inputs: the batch's ``BatchInputs`` (device offsets and lengths).
             beam_width, top_k: search parameters.
             level_one: None, or ``replay_prefill``'s (or an eager prefill's) level 1: its
-                rows' hidden states and their one-slot ``BeamKV``.
+                rows' hidden states and their one-slot ``BeamKV``, which must be
+                ``level_one_kv``'s (the graphs read it at its address).
 
         Returns:
             nodes, scores: (R, beam_width) graph-owned outputs; copy them before the next call.
+
+        Raises:
+            ValueError: level 1's rows are given for a batch that runs it after level 0, or
+                missing for one that runs it within the prefill, or their K/V are not
+                ``level_one_kv``'s.
         """
         from xgr.engine.decode import (
             decode_levels,
@@ -352,6 +362,8 @@ class CudaGraphs:
         together = runs_first_levels_together(spec, inputs.num_requests, beam_width)
         if not spec.model.is_encoder_decoder and together != (level_one is not None):
             raise ValueError("replay_decode needs level 1's prefill rows exactly when they ran")
+        if level_one is not None and level_one[1] is not self._level_one:
+            raise ValueError("level 1's K/V must be this object's level_one_kv()")
         key = ("decode", inputs.num_requests, beam_width, top_k, together)
         if spec.model.is_encoder_decoder:
             batch = (inputs.cu_seqlens,)

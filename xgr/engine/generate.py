@@ -250,8 +250,8 @@ def _launch(spec, prompts, beam_width, top_k, graphs) -> PendingGeneration:
         shared = graphs.shared_kv(inputs) if use_graph else allocate_shared_kv(spec.model, inputs)
         if encdec:  # the encoder writes every decoder layer's cross-attention K/V
             spec.model.encode(inputs.tokens, inputs.cu_seqlens_host, shared)
-        elif with_level_one:
-            kv = level_one_kv(spec, inputs.num_requests)
+        elif with_level_one:  # a graphed decode reads the graphs' own level-1 K/V
+            kv = graphs.level_one_kv(spec) if use_graph else level_one_kv(spec, 1)
             meta = level_one_metadata(spec, shared, kv, inputs.cu_seqlens_host)
             rows = (*level_one_inputs(spec, inputs.prompt_lens), meta)
             hidden = prefill(spec.model, inputs, shared, rows)
