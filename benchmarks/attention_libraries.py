@@ -197,6 +197,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("this benchmark needs a CUDA GPU (it times CUDA-graph replays)")
     rate = matmul_flop_rate("cuda")
     print(f"bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
     table = Table()

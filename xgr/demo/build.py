@@ -120,7 +120,10 @@ def check_demo_files(model_dir: Path, cache_dir: Path) -> None:
         XgrError: naming what is missing or changed, and how to rebuild.
     """
     meta = read_demo_metadata(model_dir)
-    rebuild = f"delete {model_dir} (and {cache_dir / 'ml-100k'} if named) to rebuild it"
+    rebuild = (
+        f"delete {model_dir} (and {cache_dir / 'ml-100k'} too when a MovieLens file is "
+        "named) to rebuild it"
+    )
     missing = [name for name in REQUIRED_FILES if not (model_dir / name).is_file()]
     if missing:
         raise XgrError(f"the demo model in {model_dir} lacks {', '.join(missing)}: {rebuild}")
