@@ -134,8 +134,8 @@ def test_prefill_and_decode_make_no_host_sync(model_dirs):
 
 
 def test_a_single_request_runs_level_one_in_its_prefill_graph_without_host_sync(model_dirs):
-    from xgr.engine.decode import decode_levels, level_one_inputs, level_one_kv, level_one_metadata
-    from xgr.engine.generate import prefill
+    from xgr.engine.decode import decode_levels, level_one_kv
+    from xgr.engine.generate import prefill_with_level_one
 
     engine = bf16_engine(model_dirs["qwen3"], seed=8)
     prompt = list(range(8, 75))
@@ -152,18 +152,16 @@ def test_a_single_request_runs_level_one_in_its_prefill_graph_without_host_sync(
             nodes, scores = graphs.replay_decode(spec, last, inputs, 16, 8, level_one)
             shared = graphs.shared_kv(inputs)
             kv = level_one_kv(spec, 1)
-            meta = level_one_metadata(spec, shared, kv, inputs.cu_seqlens_host)
-            rows = (*level_one_inputs(spec, inputs.prompt_lens), meta)
-            hidden = prefill(spec.model, inputs, shared, rows)
+            eager_last, eager_level_one = prefill_with_level_one(spec, inputs, shared, kv)
             eager_nodes, eager_scores = decode_levels(
-                spec, hidden[:1], inputs.prompt_lens, shared, inputs.cu_seqlens_host, 16, 8,
-                (hidden[1:], kv),
+                spec, eager_last, inputs.prompt_lens, shared, inputs.cu_seqlens_host, 16, 8,
+                eager_level_one,
             )  # fmt: skip
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert graphs.captures == 2
     assert level_one[0].shape == (16, spec.model.config.hidden_size)
-    torch.testing.assert_close(level_one[0], hidden[1:], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(level_one[0], eager_level_one[0], atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(level_one[1].k, kv.k, atol=2e-2, rtol=2e-2)
     assert (nodes == eager_nodes).float().mean() > 0.9  # bf16: near-ties may swap
 

@@ -174,13 +174,23 @@ def decode_levels_encdec(
     hidden = model.decode(start, meta)
     beam.length = 1
     first = spec.log_probs(hidden, 0)
+    forward = _encdec_forward(spec, shared, beam, cu_seqlens_host)
+    return _search_levels(spec, first, beam, forward, beam_width, top_k)
+
+
+def _encdec_forward(spec: DecodeSpec, shared: SharedKV, beam: BeamKV, cu_seqlens_host: list[int]):
+    """The ``forward(ids, level, width)`` of an encoder-decoder's later levels: one decoder
+    step over the first ``width`` beams of each request, rows r * width + b."""
+    num_requests = len(cu_seqlens_host) - 1
 
     def forward(ids: torch.Tensor, _level: int, width: int) -> torch.Tensor:
-        rows = torch.arange(num_requests * width, device=device)
-        meta = EncDecDecodeMetadata(shared, beam, cu_seqlens_host, width, rows, backend)
-        return model.decode(ids, meta)
+        rows = torch.arange(num_requests * width, device=shared.k.device)
+        meta = EncDecDecodeMetadata(
+            shared, beam, cu_seqlens_host, width, rows, spec.attention_backend
+        )
+        return spec.model.decode(ids, meta)
 
-    return _search_levels(spec, first, beam, forward, beam_width, top_k)
+    return forward
 
 
 def runs_first_levels_together(spec: DecodeSpec, num_requests: int, beam_width: int) -> bool:
@@ -247,12 +257,7 @@ def _decode_encdec_start_and_codes(
     first = spec.log_probs(hidden[:, 0], 0)  # [R, codebook]
     second = spec.log_probs(hidden[:, 1:].reshape(num_requests * num_codes, -1), 1)
     state = _level_one_step(spec, first, second, beam_width, top_k)
-
-    def forward(ids: torch.Tensor, _level: int, width: int) -> torch.Tensor:
-        rows = torch.arange(num_requests * width, device=device)
-        meta = EncDecDecodeMetadata(shared, beam, cu_seqlens_host, width, rows, backend)
-        return model.decode(ids, meta)
-
+    forward = _encdec_forward(spec, shared, beam, cu_seqlens_host)
     widths = live_beam_widths(spec.trie, beam_width, top_k)[1:]
     # Level 1's beams continue rows r * (1 + V0) + 1 + parent of the pass.
     layout = (per_request, 1)

@@ -45,7 +45,7 @@ from xgr.engine.decode import (
 )
 from xgr.engine.inputs import BatchInputs, prepare_inputs
 from xgr.engine.spec import DecodeSpec
-from xgr.kv import SharedKV
+from xgr.kv import BeamKV, SharedKV
 from xgr.layers.attention import PrefillMetadata
 from xgr.models.decoder import CausalLM
 from xgr.models.t5 import T5Seq2SeqLM
@@ -96,6 +96,25 @@ def prefill(
         first_codes=first_codes,
     )
     return model(tokens, positions, meta)
+
+
+def prefill_with_level_one(
+    spec: DecodeSpec, inputs: BatchInputs, shared: SharedKV, kv: BeamKV
+) -> tuple[torch.Tensor, tuple[torch.Tensor, BeamKV]]:
+    """``prefill`` that also runs level 1's forward over every first-level code
+    (``xgr.engine.decode.runs_first_levels_together``), its rows writing slot 0 of ``kv``
+    (``level_one_kv``).
+
+    Returns:
+        last_hidden: (R, hidden_size) final hidden state of each prompt's last token.
+        level_one: the (R * V0, hidden_size) hidden states of level 1's rows and ``kv``,
+            as ``decode_levels`` takes them.
+    """
+    meta = level_one_metadata(spec, shared, kv, inputs.cu_seqlens_host)
+    rows = (*level_one_inputs(spec, inputs.prompt_lens), meta)
+    hidden = prefill(spec.model, inputs, shared, rows)
+    num = inputs.num_requests
+    return hidden[:num], (hidden[num:], kv)
 
 
 def allocate_shared_kv(model: CausalLM | T5Seq2SeqLM, inputs: BatchInputs) -> SharedKV:
@@ -252,11 +271,7 @@ def _launch(spec, prompts, beam_width, top_k, graphs) -> PendingGeneration:
             spec.model.encode(inputs.tokens, inputs.cu_seqlens_host, shared)
         elif with_level_one:  # a graphed decode reads the graphs' own level-1 K/V
             kv = graphs.level_one_kv(spec) if use_graph else level_one_kv(spec, 1)
-            meta = level_one_metadata(spec, shared, kv, inputs.cu_seqlens_host)
-            rows = (*level_one_inputs(spec, inputs.prompt_lens), meta)
-            hidden = prefill(spec.model, inputs, shared, rows)
-            last_hidden, level_one = hidden[: inputs.num_requests], (
-                hidden[inputs.num_requests :], kv)  # fmt: skip
+            last_hidden, level_one = prefill_with_level_one(spec, inputs, shared, kv)
         else:
             last_hidden = prefill(spec.model, inputs, shared)
     if cuda:
