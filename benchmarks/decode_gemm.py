@@ -14,7 +14,6 @@ so they come from HBM.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import graph_ms, run_environment  # noqa: E402
+from timing import gpu_benchmark_args, graph_ms, run_environment  # noqa: E402
 
 # (K, N) of each projection: Qwen3-1.7B q/k/v, o, gate/up, down; T5 OneRec-like (d_model
 # 1024, d_ff 4096, gated) q/k/v, o, wi_0/wi_1, wo.
@@ -71,11 +70,7 @@ def time_shape(rows: int, k: int, n: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", type=Path, required=True, help="JSON file to write")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        parser.error("this benchmark needs a CUDA GPU (it times CUDA-graph replays)")
+    args = gpu_benchmark_args(__doc__.splitlines()[0])
     results = []
     print(f"{'model':<16}{'M':>6}{'K':>6}{'N':>7}  linear / x @ w_t, cuBLAS then cuBLASLt (us)")
     for rows in ROWS:

@@ -3,9 +3,11 @@ whole ``Engine.recommend`` calls (wall time)."""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -19,6 +21,17 @@ def run_environment(device: str = "cuda") -> dict[str, str]:
         "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "torch": torch.__version__,
     }
+
+
+def gpu_benchmark_args(description: str) -> argparse.Namespace:
+    """The ``--output`` argument of a GPU-only benchmark; refuses to run without CUDA (its
+    timings are CUDA-graph replays)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--output", type=Path, required=True, help="JSON file to write")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("this benchmark needs a CUDA GPU (it times CUDA-graph replays)")
+    return args
 
 
 def graph_ms(fn, calls: int = 8, replays: int = 25) -> float:

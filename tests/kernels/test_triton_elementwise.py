@@ -73,32 +73,30 @@ def test_rms_norm_rejects_bad_arguments():
         kernels.rms_norm(x, randn(8, dtype=torch.float32), 1e-6, randn(2, 8, dtype=torch.float32))
 
 
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize(("rows", "inter"), [(3, 100), (17, 4864), (0, 64)], ids=str)
-def test_silu_mul_matches_reference(rows, inter, dtype):
-    gate, up = randn(rows, inter, dtype=dtype, scale=4), randn(rows, inter, dtype=dtype)
-    assert_close(kernels.silu_mul(gate, up), F.silu(gate) * up, dtype)
-    with pytest.raises(ValueError, match="must match"):
-        kernels.silu_mul(gate, up[:, :-1])
+@pytest.mark.parametrize(("rows", "inter"), [(3, 100), (5, 1500), (0, 64)], ids=str)
+def test_gated_mul_interleaved_matches_reference(rows, inter, dtype, act):
+    gate_up = randn(rows, 2 * inter, dtype=dtype, scale=4)
+    gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
+    want = (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
+    assert_close(kernels.gated_mul_interleaved(gate_up, act), want, dtype)
+    with pytest.raises(ValueError, match="must be"):
+        kernels.gated_mul_interleaved(gate_up[:, 1:], act)
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.gated_mul_interleaved(randn(2 * inter, 4, dtype=dtype).t(), act)
+    with pytest.raises(ValueError, match="act must be"):
+        kernels.gated_mul_interleaved(gate_up, "relu")
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize(("rows", "inter"), [(3, 100), (9, 4096), (0, 64)], ids=str)
-def test_gelu_tanh_mul_matches_reference(rows, inter, dtype):
-    # Strided halves of one buffer, as T5's fused wi GEMM gives them.
-    fused = randn(rows, 2 * inter, dtype=dtype, scale=4)
-    gate, up = fused.chunk(2, dim=-1)
-    want = F.gelu(gate, approximate="tanh") * up
-    assert_close(kernels.gelu_tanh_mul(gate, up), want, dtype)
-    if dtype == torch.float32 and rows:
-        # The negative tail against float64 (float32 torch rounds 1 + tanh(z) there, and a
-        # 1 - 1 / (1 + e^2z) form cancels to 0): relative error, not only absolute.
-        tail = torch.tensor([[-5.0, -4.0, -3.0, -2.0]], device=DEVICE)
-        got = kernels.gelu_tanh_mul(tail, torch.ones_like(tail))
-        exact = F.gelu(tail.double(), approximate="tanh").float()
-        torch.testing.assert_close(got, exact, atol=0, rtol=1e-5)
-    with pytest.raises(ValueError, match="must match"):
-        kernels.gelu_tanh_mul(gate, up[:, :-1])
+def test_gelu_tanh_keeps_the_negative_tail():
+    # Against float64 (float32 torch rounds 1 + tanh(z) there, and a 1 - 1 / (1 + e^2z)
+    # form cancels to 0): relative error, not only absolute.
+    tail = torch.tensor([-5.0, -4.0, -3.0, -2.0], device=DEVICE)
+    gate_up = torch.stack([tail, torch.ones_like(tail)], dim=1).reshape(1, 8)
+    got = kernels.gated_mul_interleaved(gate_up, "gelu_tanh")
+    exact = F.gelu(tail.double(), approximate="tanh").float()[None]
+    torch.testing.assert_close(got, exact, atol=0, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -124,56 +124,53 @@ def activation(x, ACT: tl.constexpr):
 
 
 @triton.jit
-def _gated_mul_kernel(
-    G, U, OUT, stride_g, stride_u, stride_o, inter, ACT: tl.constexpr, BLOCK: tl.constexpr
+def _interleaved_gated_mul_kernel(
+    GU, OUT, stride_gu, stride_o, inter, ACT: tl.constexpr, BLOCK: tl.constexpr
 ):  # fmt: skip
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < inter
-    g = tl.load(G + row * stride_g + offs, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(U + row * stride_u + offs, mask=ok, other=0.0).to(tl.float32)
+    pairs = offs[:, None] * 2 + tl.arange(0, 2)[None, :]  # (gate, up) side by side
+    gu = tl.load(GU + row * stride_gu + pairs, mask=ok[:, None], other=0.0).to(tl.float32)
+    g, u = gu.split()
     dtype = OUT.dtype.element_ty
-    act = activation(g, ACT).to(dtype)  # F.gelu / F.silu round here
+    act = activation(g, ACT).to(dtype)
     tl.store(OUT + row * stride_o + offs, (act.to(tl.float32) * u).to(dtype), mask=ok)
 
 
-def _gated_mul(gate: torch.Tensor, up: torch.Tensor, gelu: bool) -> torch.Tensor:
-    if gate.shape != up.shape or gate.dtype != up.dtype or gate.dim() != 2:
-        raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must match (T, I)")
-    if gate.stride(-1) != 1 or up.stride(-1) != 1:
-        raise ValueError("gate and up need a contiguous last dimension")
-    rows, inter = gate.shape
-    out = torch.empty(rows, inter, dtype=gate.dtype, device=gate.device)
-    block = min(1024, triton.next_power_of_2(inter))
-    if rows:
-        _gated_mul_kernel[(rows, triton.cdiv(inter, block))](
-            gate, up, out, gate.stride(0), up.stride(0), out.stride(0), inter,
-            ACT=GELU_TANH if gelu else SILU, BLOCK=block,
-        )  # fmt: skip
-    return out
+_INTERLEAVED_ACTIVATIONS = {"silu": SILU, "gelu_tanh": GELU_TANH}
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up in one pass (the SwiGLU feed-forward of Qwen / Llama).
+def gated_mul_interleaved(gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """act(gate) * up in one pass, gate and up interleaved in the columns of one projection
+    (``xgr.layers.linear.interleave_gate_up``'s layout).
 
     Args:
-        gate, up: (T, I) of one dtype, last dimension contiguous.
+        gate_up: (T, 2 I), columns gate 0, up 0, gate 1, up 1, ...; last dimension contiguous.
+        act: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, tanh-approximated GELU).
 
     Returns:
-        (T, I) in the inputs' dtype.
+        (T, I) in gate_up's dtype.
 
     Raises:
-        ValueError: mismatched shapes or dtypes, or a non-contiguous last dimension.
+        ValueError: not 2-D, an odd number of columns, a non-contiguous last dimension, or
+            another activation.
     """
-    return _gated_mul(gate, up, gelu=False)
-
-
-def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """gelu(gate, approximate="tanh") * up in one pass (T5 v1.1's gated-GELU feed-forward).
-
-    Arguments, result and errors as ``silu_mul``.
-    """
-    return _gated_mul(gate, up, gelu=True)
+    if act not in _INTERLEAVED_ACTIVATIONS:
+        raise ValueError(f"act must be one of {list(_INTERLEAVED_ACTIVATIONS)}, got {act!r}")
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be (T, 2 I), got {tuple(gate_up.shape)}")
+    if gate_up.stride(-1) != 1:
+        raise ValueError("gate_up needs a contiguous last dimension")
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, triton.next_power_of_2(max(inter, 1)))
+    if rows and inter:
+        _interleaved_gated_mul_kernel[(rows, triton.cdiv(inter, block))](
+            gate_up, out, gate_up.stride(0), out.stride(0), inter,
+            ACT=_INTERLEAVED_ACTIVATIONS[act], BLOCK=block,
+        )  # fmt: skip
+    return out
 
 
 @triton.jit

@@ -11,8 +11,9 @@ the narrowest column block, for 4-column blocks), and does its neighbours' eleme
 - ``norm``: RMSNorm of the input rows (Zhang & Sennrich, 2019), the rows' mean squares
   taken in a first pass, the scale applied to each loaded tile;
 - ``activation``: ReLU, SiLU or tanh-approximated GELU of the projection, or, ``gated``,
-  act(gate) * up with the gate rows then the up rows in one weight (``concat_linears``;
-  Shazeer, "GLU Variants Improve Transformer", 2020);
+  act(gate) * up with the gate and up rows interleaved in one weight
+  (``xgr.layers.linear.interleave_gate_up``; Shazeer, "GLU Variants Improve Transformer",
+  2020);
 - ``residual``: added last.
 
 Each step rounds where the torch ops it replaces (``small_rows_linear_reference``) round:
@@ -76,8 +77,12 @@ def _small_rows_linear_kernel(
     acc = tl.zeros([ROWS_BLOCK, BLOCK_N], tl.float32)
     if GATED:
         acc_up = tl.zeros([ROWS_BLOCK, BLOCK_N], tl.float32)
-    w_rows = W + n[:, None].to(tl.int64) * stride_w
-    w_up = W + (n + cols)[:, None].to(tl.int64) * stride_w
+    if GATED:  # gate row 2 n, up row 2 n + 1
+        w_rows = W + (2 * n)[:, None].to(tl.int64) * stride_w
+        w_up = w_rows + stride_w
+    else:
+        w_rows = W + n[:, None].to(tl.int64) * stride_w
+        w_up = w_rows
     for k in range(0, depth, BLOCK_K):
         k_ok = k + kk < depth
         a = tl.load(x_rows + (k + kk)[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
@@ -129,7 +134,7 @@ def small_rows_linear(
         x: (M, K) rows, M <= ``MAX_ROWS``, last dimension contiguous; float32, float16 or
             bfloat16.
         weight: (N, K) an ``nn.Linear`` weight (no bias) in x's dtype, last dimension
-            contiguous; gated: N = 2 I, the gate rows then the up rows.
+            contiguous; gated: N = 2 I, rows interleaved (gate 0, up 0, gate 1, ...).
         norm_weight: (K,) RMSNorm scale applied to x first (x's dtype), or None.
         eps: the norm's epsilon.
         residual: (M, N) (or (M, I) gated) added last, in x's dtype, or None.
@@ -218,7 +223,7 @@ def small_rows_linear_reference(
     out = F.linear(x, weight)
     up = None
     if gated:
-        out, up = out.chunk(2, dim=-1)
+        out, up = out[:, 0::2], out[:, 1::2]
     if activation is not None:
         out = _TORCH_ACTIVATIONS[activation](out)
     if up is not None:

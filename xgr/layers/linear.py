@@ -35,3 +35,41 @@ def concat_linears(*linears: nn.Linear) -> nn.Linear:
     if linears[0].bias is not None:
         fused.bias = nn.Parameter(torch.cat([lin.bias for lin in linears]), requires_grad=False)
     return fused
+
+
+def interleave_gate_up(weight: torch.Tensor) -> torch.Tensor:
+    """The rows of a [gate; up] weight (or bias) interleaved: gate 0, up 0, gate 1, up 1, ...
+
+    Args:
+        weight: (2 I, K) or (2 I,): the gate rows, then the up rows.
+
+    Returns:
+        a new tensor of the same shape and dtype, row 2 i gate i, row 2 i + 1 up i.
+
+    Raises:
+        ValueError: an odd number of rows.
+    """
+    if weight.dim() not in (1, 2) or weight.shape[0] % 2:
+        raise ValueError(f"need (2 I, K) or (2 I,) gate-then-up rows, got {tuple(weight.shape)}")
+    gate, up = weight.chunk(2, dim=0)
+    return torch.stack([gate, up], dim=1).reshape(weight.shape)
+
+
+@torch.no_grad()
+def fuse_gate_up(gate: nn.Linear, up: nn.Linear) -> nn.Linear:
+    """One ``nn.Linear`` computing a gated feed-forward's gate and up projections at once,
+    its output rows (weight and bias) interleaved by ``interleave_gate_up``: column 2 i of
+    its output is gate i, column 2 i + 1 up i. The weights are copied; the caller drops the
+    originals.
+
+    Raises:
+        ValueError: as ``concat_linears``, or layers of different output sizes.
+    """
+    if gate.weight.shape != up.weight.shape:
+        raise ValueError(f"gate {tuple(gate.weight.shape)} and up {tuple(up.weight.shape)} "
+                         "must have one shape")  # fmt: skip
+    fused = concat_linears(gate, up)
+    fused.weight = nn.Parameter(interleave_gate_up(fused.weight), requires_grad=False)
+    if fused.bias is not None:
+        fused.bias = nn.Parameter(interleave_gate_up(fused.bias), requires_grad=False)
+    return fused

@@ -21,7 +21,8 @@ from xgr.kernels.beam_self_attention import (
 )
 from xgr.kernels.decode_attention import shared_attention_reference
 from xgr.kv import BeamKV, SharedKV
-from xgr.layers.linear import concat_linears
+from xgr.layers.linear import concat_linears, fuse_gate_up
+from xgr.layers.mlp import KERNEL_ACTIVATIONS, gated_projection
 from xgr.layers.norm import RMSNorm
 from xgr.models.config import T5Config
 
@@ -277,23 +278,20 @@ class T5FeedForward(nn.Module):
             self.wi = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
         self.wo = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
         self.act = _ACTIVATIONS[cfg.dense_act_fn]
+        self.kernel_act = KERNEL_ACTIVATIONS.get(cfg.dense_act_fn)
         self.wi_fused: nn.Linear | None = None
 
     def fuse_projections(self) -> None:
-        """Replace a gated feed-forward's wi_0 and wi_1 by one ``wi_fused`` GEMM; idempotent,
-        and nothing to do for an ungated one."""
+        """Replace a gated feed-forward's wi_0 and wi_1 by one ``wi_fused`` GEMM, their rows
+        interleaved (``xgr.layers.linear.fuse_gate_up``); idempotent, and nothing to do for
+        an ungated one."""
         if self.gated and self.wi_fused is None:
-            self.wi_fused = concat_linears(self.wi_0, self.wi_1)
+            self.wi_fused = fuse_gate_up(self.wi_0, self.wi_1)
             del self.wi_0, self.wi_1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.wi_fused is not None:
-            gate, up = self.wi_fused(x).chunk(2, dim=-1)
-            if x.is_cuda and self.act is _gelu_tanh:
-                from xgr.kernels.triton_elementwise import gelu_tanh_mul
-
-                return self.wo(gelu_tanh_mul(gate, up))  # one pass for act(gate) * up
-            return self.wo(self.act(gate) * up)
+            return self.wo(gated_projection(x, self.wi_fused, self.act, self.kernel_act))
         if self.gated:
             return self.wo(self.act(self.wi_0(x)) * self.wi_1(x))
         return self.wo(self.act(self.wi(x)))
