@@ -10,9 +10,10 @@ import torch
 
 from tests.conftest import random_catalog, sequential_sid_map, write_random_t5
 from xgr import Engine
-from xgr.engine.cuda_graph import CudaGraphs, _Graph
+from xgr.engine.cuda_graph import CudaGraphs
 from xgr.engine.decode import runs_first_levels_together
 from xgr.engine.generate import _launch
+from xgr.engine.graph_cache import GraphCache
 from xgr.engine.graph_keys import MAX_ENCODER_MASK_BYTES, encoder_bucket, prefill_bucket
 from xgr.engine.inputs import prepare_inputs
 from xgr.engine.warm_up import warm_up_batches
@@ -138,9 +139,7 @@ class _ReplayByRerun:
 
 def _capture_by_rerun(self, key, run, inputs):
     outputs = tuple(run())
-    self.captures += 1
-    self._graphs[key] = _Graph(_ReplayByRerun(run, outputs), inputs, outputs)
-    return self._graphs[key]
+    return self.add(key, _ReplayByRerun(run, outputs), inputs, outputs)
 
 
 @pytest.mark.parametrize("arch", ["t5", "qwen2"])
@@ -151,7 +150,7 @@ def test_graph_buffers_give_the_eager_results_on_the_cpu(arch, model_dirs, tmp_p
     interpreted), as in a real graph."""
     if os.environ.get("TRITON_INTERPRET") != "1":  # tests/conftest.py sets it without a GPU
         pytest.skip("Triton reads CPU tensors only interpreted; the GPU tests replay real graphs")
-    monkeypatch.setattr(CudaGraphs, "_capture", _capture_by_rerun)
+    monkeypatch.setattr(GraphCache, "capture", _capture_by_rerun)
     if arch == "t5":
         write_random_t5(tmp_path, "gated-gelu", False)
         folder, offset, batches = tmp_path, 2, [[5, 30, 12], [40], [7, 60, 3], [33]]
@@ -181,7 +180,7 @@ def test_single_requests_with_level_one_mixing_graphed_and_eager_prefills_on_the
     which must read that prefill's level-1 K/V whichever ran (capture re-runs the work)."""
     if os.environ.get("TRITON_INTERPRET") != "1":  # tests/conftest.py sets it without a GPU
         pytest.skip("Triton reads CPU tensors only interpreted; the GPU tests replay real graphs")
-    monkeypatch.setattr(CudaGraphs, "_capture", _capture_by_rerun)
+    monkeypatch.setattr(GraphCache, "capture", _capture_by_rerun)
     catalog = random_catalog(300, 3, 16, seed=3)
     sid_map = sequential_sid_map(3, 16, 40)
     engine = Engine.from_pretrained(model_dirs["qwen2"], catalog=catalog, sid_token_ids=sid_map)
@@ -204,7 +203,7 @@ def _interpreted_engine(folder, offset, monkeypatch):
     """An engine whose graphs are captured by re-running (``_capture_by_rerun``)."""
     if os.environ.get("TRITON_INTERPRET") != "1":  # tests/conftest.py sets it without a GPU
         pytest.skip("Triton reads CPU tensors only interpreted; the GPU tests replay real graphs")
-    monkeypatch.setattr(CudaGraphs, "_capture", _capture_by_rerun)
+    monkeypatch.setattr(GraphCache, "capture", _capture_by_rerun)
     catalog = random_catalog(300, 3, 16, seed=3)
     engine = Engine.from_pretrained(
         folder, catalog=catalog, sid_token_ids=sequential_sid_map(3, 16, offset)
@@ -242,7 +241,7 @@ def test_packed_prefill_graphs_read_their_staged_offsets_on_the_cpu(model_dirs, 
         got = _launch(engine.decode_spec, prompts, 8, 8, graphs).wait()
         assert torch.equal(got.sid_index, want.sid_index), lens
         torch.testing.assert_close(got.scores, want.scores, atol=1e-4, rtol=1e-4)
-    assert any(key[0] == "prefill" and key[1] == 4 for key in graphs._graphs)
+    assert any(key[0] == "prefill" and key[1] == 4 for key in graphs.cache.keys())
 
 
 def test_a_limit_change_rebuilds_the_staging_once_even_for_eager_prefills(model_dirs, monkeypatch):

@@ -141,7 +141,7 @@ def test_a_single_request_runs_level_one_in_its_prefill_graph_without_host_sync(
     prompt = list(range(8, 75))
     engine.recommend([prompt], beam_width=16, top_k=8, num_results=5)  # capture first
     graphs, spec = engine.graphs, engine.decode_spec
-    assert {key[-1] for key in graphs._graphs} == {True}  # prefill and decode: level 1 in
+    assert {key[-1] for key in graphs.cache.keys()} == {True}  # prefill and decode: level 1 in
     assert graphs.captures == 2
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -179,7 +179,7 @@ def test_single_requests_with_level_one_in_the_prefill_graph_equal_eager(model_d
             np.testing.assert_allclose(
                 [s for _, s in a.semantic_ids], [s for _, s in b.semantic_ids], atol=1e-5
             )
-    assert {key[-1] for key in graphed.graphs._graphs} == {True, False}
+    assert {key[-1] for key in graphed.graphs.cache.keys()} == {True, False}
 
 
 def test_one_packed_prefill_graph_serves_every_batch_size_of_a_bucket(model_dirs):
@@ -310,9 +310,9 @@ def test_warm_up_captures_every_shape_the_load_then_needs(model_dirs):
     captured = engine.warm_up(40, 16, 16, max_batch_size=4, spread=0.2)
     lanes = [engine.graphs, *engine._lane_graphs]
     assert captured == sum(g.captures for g in lanes) and captured >= 2 * (4 + 1)
-    assert all(len(g._graphs) == g.captures for g in lanes)  # none dropped by pool growth
+    assert all(len(g.cache) == g.captures for g in lanes)  # none dropped by pool growth
     # each lane captures on its own stream, so its GEMMs keep their own cuBLAS workspace
-    assert lanes[0]._capture_stream != lanes[1]._capture_stream
+    assert lanes[0].cache.capture_stream != lanes[1].cache.capture_stream
     gen = torch.Generator().manual_seed(18)
     batches = [
         [torch.randint(0, 96, (int(n),), generator=gen).tolist() for n in

@@ -27,9 +27,10 @@ whose views are the graphs' static inputs (``xgr.engine.inputs.InputStaging``): 
 device-to-device fill runs before a replay. Both read and write one prompt-KV pool that
 grows in powers of two (dropping the graphs, which hold its address). Graphs are captured
 on first use of a shape, after one eager warm-up run that compiles the Triton kernels, and
-kept in an LRU; all share one memory pool, which is safe because replays never overlap (a
-lock serializes launches, and one lane's batches queue on one stream) and each batch's
-results are copied out, in stream order, before the next batch's replays. Batches beyond
+kept in an LRU (``xgr.engine.graph_cache``); all share one memory pool, which is safe
+because replays never overlap (a lock serializes launches, and one lane's batches queue on
+one stream) and each batch's results are copied out, in stream order, before the next
+batch's replays. Batches beyond
 ``max_requests`` or ``max_prefill_tokens`` run eagerly, with a log line.
 """
 
@@ -37,15 +38,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
-from dataclasses import dataclass
 
 import torch
 
+from xgr.engine.graph_cache import GraphCache
 from xgr.engine.graph_keys import encode_key, padded_shape
 from xgr.engine.inputs import BatchInputs, InputStaging
 from xgr.engine.kv_pool import PromptKVPool
-from xgr.engine.streams import exclusive_stream
 from xgr.kv import BeamKV, SharedKV
 
 logger = logging.getLogger(__name__)
@@ -54,13 +53,6 @@ logger = logging.getLogger(__name__)
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors are the same elements of the same memory."""
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
-
-
-@dataclass
-class _Graph:
-    graph: torch.cuda.CUDAGraph
-    inputs: tuple[torch.Tensor, ...]  # static inputs: staging views, or copied into
-    outputs: tuple[torch.Tensor, ...]  # static outputs, valid until the next replay
 
 
 class CudaGraphs:
@@ -86,15 +78,11 @@ class CudaGraphs:
         self.model = model
         self.max_requests = max_requests
         self.max_prefill_tokens = max_prefill_tokens
-        self.max_graphs = max_graphs
         self.lock = threading.RLock()
-        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self.cache = GraphCache(self, max_graphs)
         self._prompt_kv = PromptKVPool(model)
-        self._mempool = None
-        self._capture_stream: torch.cuda.Stream | None = None
         self._staging: InputStaging | None = None
         self._level_one: BeamKV | None = None  # ``_level_one_kv``
-        self.captures = 0  # graphs captured so far (for tests and logs)
 
     def accepts(self, num_requests: int) -> bool:
         """Whether a batch of this many requests replays graphs (else: eager, logged)."""
@@ -184,11 +172,13 @@ class CudaGraphs:
             self._drop_graphs()
             self._prompt_kv.grow(num_tokens)
 
+    @property
+    def captures(self) -> int:
+        """Graphs captured so far (for tests and logs)."""
+        return self.cache.captures
+
     def _drop_graphs(self) -> None:
-        self._graphs.clear()
-        # With its last graph gone the memory pool is released, and PyTorch refuses a new
-        # capture into a released pool (an internal assert): take a fresh one.
-        self._mempool = None
+        self.cache.clear()
 
     def replay_prefill(self, inputs: BatchInputs, spec=None) -> tuple:
         """Prefill a batch from its bucket's graph; writes the pool's KV.
@@ -221,7 +211,7 @@ class CudaGraphs:
             raise ValueError("replay_prefill needs a spec exactly when staged with level_one")
         self.reserve(key[2])
         kv = self.level_one_kv(spec) if level_one else None
-        entry = self._replay(key, lambda: self._build_prefill(key, inputs, spec, kv))
+        entry = self.cache.replay(key, lambda: self._build_prefill(key, inputs, spec, kv))
         hidden, num = entry.outputs[0], inputs.num_requests
         if not level_one:
             return hidden[:num], None
@@ -291,7 +281,7 @@ class CudaGraphs:
 
             return (tokens,), run
 
-        self._replay(key, build)
+        self.cache.replay(key, build)
 
     def needs_capture(
         self, prompt_lens: list[int], beam_width: int, top_k: int, level_one: bool = False
@@ -306,9 +296,9 @@ class CudaGraphs:
         key = self.prefill_key(prompt_lens, level_one)
         if (key[2] if key else sum(prompt_lens)) > self.pool_tokens:
             return True
-        if key is not None and key not in self._graphs:
+        if key is not None and key not in self.cache:
             return True
-        return ("decode", num, beam_width, top_k, level_one) not in self._graphs
+        return ("decode", num, beam_width, top_k, level_one) not in self.cache
 
     def prefill_key(self, prompt_lens: list[int], level_one: bool = False) -> tuple | None:
         """The graph a batch of prompts of these lengths (tokens) replays for its prefill
@@ -405,57 +395,4 @@ class CudaGraphs:
                 if not _same_view(dst, src):  # an eagerly prefilled batch's, or the hidden
                     dst.copy_(src)
 
-        return self._replay(key, build, fill).outputs
-
-    def _replay(self, key: tuple, build, fill=None) -> _Graph:
-        """Replay ``key``'s graph, capturing it first when absent.
-
-        Args:
-            build: () -> (static input tensors, ``run``): the buffers a new graph reads and
-                the work it captures.
-            fill: copies this batch into the static inputs, before capture or replay; None
-                where the batch is already there (staged).
-        """
-        entry = self._graphs.get(key)
-        if entry is None:
-            static, run = build()
-            if fill is not None:
-                fill(static)
-            entry = self._capture(key, run, static)
-        else:
-            self._graphs.move_to_end(key)
-            if fill is not None:
-                fill(entry.inputs)
-        entry.graph.replay()
-        return entry
-
-    def _capture(self, key, run, inputs) -> _Graph:
-        if self._capture_stream is None:
-            self._capture_stream = exclusive_stream(self, inputs[0].device, "capture")
-        # Warm up (compiles kernels, creates library handles) on the capture stream, a side
-        # stream, before capture.
-        stream = self._capture_stream
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            run()
-        torch.cuda.current_stream().wait_stream(stream)
-        if self._mempool is None:
-            self._mempool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(
-            graph,
-            pool=self._mempool,
-            stream=stream,
-            # thread_local: another lane's thread may launch or allocate during this capture.
-            capture_error_mode="thread_local",
-        ):
-            outputs = run()
-        self.captures += 1
-        logger.info("captured CUDA graph %s", key)
-        entry = _Graph(graph, inputs, tuple(outputs))
-        self._graphs[key] = entry
-        # The capture synchronized the device: no launched batch still replays the graph
-        # dropped here.
-        while len(self._graphs) > self.max_graphs:
-            self._graphs.popitem(last=False)
-        return entry
+        return self.cache.replay(key, build, fill).outputs

@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
 
 from xgr.catalog import ItemCatalog, TitleIndex
 from xgr.core import (
@@ -24,25 +23,16 @@ from xgr.core import (
 )
 from xgr.engine.cuda_graph import CudaGraphs
 from xgr.engine.decode import runs_first_levels_together
-from xgr.engine.generate import generate_semantic_ids, launch_semantic_ids
-from xgr.engine.inputs import PREFILL_PAD_TOKEN
-from xgr.engine.model_folder import (
-    DEFAULT_CATALOG_FILE,
-    check_catalog_fingerprint,
-    load_titles,
-    load_tokenizer,
-    resolve_device,
-)
+from xgr.engine.generate import launch_semantic_ids
+from xgr.engine.model_folder import load_engine_parts
 from xgr.engine.prompt import PromptFormat, integer_tokens, refuse_unknown_pieces
-from xgr.engine.results import PendingRecommendation, item_id_set
+from xgr.engine.results import PendingRecommendation, excluded_items, search_params
 from xgr.engine.spec import DecodeSpec
 from xgr.engine.streams import CaptureGate, exclusive_stream
-from xgr.engine.warm_up import warm_up_batches
+from xgr.engine.warm_up import capture_lanes
 from xgr.kernels.backend import select_attention_backend
-from xgr.models import CausalLM, T5Seq2SeqLM, load_model
+from xgr.models import CausalLM, T5Seq2SeqLM
 from xgr.models.sid_vocab import (
-    sid_token_ids_from_tokenizer,
-    tokenizer_vocab,
     validate_sid_token_ids,
 )
 
@@ -177,49 +167,8 @@ class Engine:
             XgrError: unreadable folder or weights, no catalog, a catalog whose fingerprint
                 differs from the one saved beside the model, or a code map that does not fit.
         """
-        model_dir = Path(model_dir)
-        if not model_dir.is_dir():
-            raise XgrError(f"model folder {model_dir} does not exist")
-        device = resolve_device(device)
-        try:
-            return cls._load(model_dir, catalog, device, dtype, sid_token_ids, options)
-        except XgrError:
-            raise
-        except (
-            OSError,
-            ValueError,
-            KeyError,
-            TypeError,
-            AttributeError,
-            ZeroDivisionError,
-            SafetensorError,
-        ) as exc:  # a malformed file anywhere in the folder
-            raise XgrError(
-                f"cannot load model folder {model_dir}: {type(exc).__name__}: {exc}"
-            ) from exc
-
-    @classmethod
-    def _load(cls, model_dir, catalog, device, dtype, sid_token_ids, options) -> Engine:
-        if catalog is None:
-            path = model_dir / DEFAULT_CATALOG_FILE
-            if not path.exists():
-                raise XgrError(f"no catalog given and {path} does not exist")
-            catalog = ItemCatalog.from_index_json(path)
-        check_catalog_fingerprint(model_dir, catalog)
-        model = load_model(model_dir, device, dtype)
-        if sid_token_ids is None:
-            sid_token_ids = sid_token_ids_from_tokenizer(model_dir, catalog)
-        prompt_format = PromptFormat.from_model_dir(model_dir, tokenizer_vocab(model_dir))
-        return cls(
-            model,
-            catalog,
-            sid_token_ids,
-            load_tokenizer(model_dir),
-            model_dir.name,
-            prompt_format,
-            load_titles(model_dir),
-            **options,
-        )
+        parts = load_engine_parts(Path(model_dir), catalog, device, dtype, sid_token_ids)
+        return cls(**parts, **options)
 
     @property
     def lanes(self) -> int:
@@ -343,27 +292,9 @@ class Engine:
         """
         if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence):
             raise XgrError("prompts must be a list of prompts")
-        if isinstance(num_results, np.ndarray):  # 0-d: one value; 1-d: one per prompt
-            num_results = num_results.tolist()
-        if not isinstance(num_results, Sequence):  # one value for every prompt
-            num_results = [num_results] * len(prompts)
-        if len(num_results) != len(prompts):
-            raise XgrError("num_results needs one entry per prompt")
-        search = SearchParams(beam_width, top_k, 1)  # validated even for no prompts
-        params = [SearchParams(search.beam_width, search.top_k, n) for n in num_results]
+        search, params = search_params(len(prompts), beam_width, top_k, num_results)
         tokenized = [self.token_ids(p) for p in prompts]
-        excluded = [set()] * len(prompts)
-        if exclude_item_ids is not None:
-            if isinstance(exclude_item_ids, str | bytes) or not isinstance(
-                exclude_item_ids, Sequence | np.ndarray
-            ):
-                raise XgrError(
-                    "exclude_item_ids must be a list with one entry (a list of item ids) per "
-                    f"prompt, got {type(exclude_item_ids).__name__}"
-                )
-            if len(exclude_item_ids) != len(prompts):
-                raise XgrError("exclude_item_ids needs one entry per prompt")
-            excluded = [item_id_set(ids, i) for i, ids in enumerate(exclude_item_ids)]
+        excluded = excluded_items(len(prompts), exclude_item_ids)
         if not tokenized:
             return PendingRecommendation(self, None, [], [], [], None)
         lane = self._take_lane()
@@ -459,14 +390,6 @@ class Engine:
             return 0
         # Longer prompts are refused at admission: no batch of them needs a graph.
         longest = min(int(prompt_tokens * (1 + spread)), self.max_prompt_tokens)
-        before = sum(g.captures for g in lanes)
         shortest = max(1, int(prompt_tokens * (1 - spread)))
-        batches, most = warm_up_batches(lanes[0], shortest, longest, max_batch_size)
-        for stream, graphs in zip(self._streams, lanes, strict=True):
-            graphs.reserve(most)  # growing the pool later would drop the graphs
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                for lens in batches:
-                    prompts = [[PREFILL_PAD_TOKEN] * n for n in lens]
-                    generate_semantic_ids(self.decode_spec, prompts, beam_width, top_k, graphs)
-        torch.cuda.synchronize(self.device)
-        return sum(g.captures for g in lanes) - before
+        batches = (shortest, longest, max_batch_size)
+        return capture_lanes(self.decode_spec, lanes, self._streams, batches, beam_width, top_k)

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from xgr.catalog import CATALOG_METADATA_FILE, ItemCatalog
 from xgr.core import XgrError, read_json
@@ -88,3 +89,55 @@ def load_tokenizer(model_dir: Path) -> Any:
         return Tokenizer.from_str(path.read_text(encoding="utf-8-sig"))
     except Exception as exc:  # tokenizers raises its own (Rust) exception types
         raise XgrError(f"cannot read {path}: {exc}") from exc
+
+
+def load_engine_parts(
+    model_dir: Path, catalog: ItemCatalog | None, device, dtype, sid_token_ids: Any
+) -> dict[str, Any]:
+    """``Engine``'s constructor arguments from a model folder (``Engine.from_pretrained``:
+    arguments and errors as there): model, catalog, code map, tokenizer, name, prompt
+    format and titles."""
+    if not model_dir.is_dir():
+        raise XgrError(f"model folder {model_dir} does not exist")
+    device = resolve_device(device)
+    try:
+        return _load(model_dir, catalog, device, dtype, sid_token_ids)
+    except XgrError:
+        raise
+    except (
+        OSError,
+        ValueError,
+        KeyError,
+        TypeError,
+        AttributeError,
+        ZeroDivisionError,
+        SafetensorError,
+    ) as exc:  # a malformed file anywhere in the folder
+        raise XgrError(
+            f"cannot load model folder {model_dir}: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _load(model_dir, catalog, device, dtype, sid_token_ids) -> dict[str, Any]:
+    from xgr.engine.prompt import PromptFormat
+    from xgr.models import load_model
+    from xgr.models.sid_vocab import sid_token_ids_from_tokenizer, tokenizer_vocab
+
+    if catalog is None:
+        path = model_dir / DEFAULT_CATALOG_FILE
+        if not path.exists():
+            raise XgrError(f"no catalog given and {path} does not exist")
+        catalog = ItemCatalog.from_index_json(path)
+    check_catalog_fingerprint(model_dir, catalog)
+    model = load_model(model_dir, device, dtype)
+    if sid_token_ids is None:
+        sid_token_ids = sid_token_ids_from_tokenizer(model_dir, catalog)
+    return {
+        "model": model,
+        "catalog": catalog,
+        "sid_token_ids": sid_token_ids,
+        "tokenizer": load_tokenizer(model_dir),
+        "name": model_dir.name,
+        "prompt_format": PromptFormat.from_model_dir(model_dir, tokenizer_vocab(model_dir)),
+        "titles": load_titles(model_dir),
+    }

@@ -1,10 +1,10 @@
 """A launched batch's results: waiting for the device, then the items of each prompt's
-best beams on the host."""
+best beams on the host; the checks of the search arguments."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -151,6 +151,49 @@ def _leading_beams(sid_index: np.ndarray, scores: np.ndarray, num_results: int):
         stop = start + size
         yield from zip(sid_index[start:stop].tolist(), scores[start:stop].tolist(), strict=True)
         start, size = stop, 2 * size
+
+
+def search_params(
+    num_prompts: int, beam_width: int, top_k: int, num_results: Any
+) -> tuple[SearchParams, list[SearchParams]]:
+    """The batch's search parameters and each prompt's (``Engine.recommend``'s arguments).
+
+    Args:
+        num_results: one int for every prompt, or one per prompt (a sequence or a NumPy
+            array; a 0-d array is one value).
+
+    Raises:
+        XgrError: invalid values (``SearchParams``), or not one num_results per prompt.
+    """
+    if isinstance(num_results, np.ndarray):
+        num_results = num_results.tolist()
+    if not isinstance(num_results, Sequence):
+        num_results = [num_results] * num_prompts
+    if len(num_results) != num_prompts:
+        raise XgrError("num_results needs one entry per prompt")
+    search = SearchParams(beam_width, top_k, 1)  # validated even for no prompts
+    return search, [SearchParams(search.beam_width, search.top_k, n) for n in num_results]
+
+
+def excluded_items(num_prompts: int, exclude_item_ids: Any) -> list[set[str]]:
+    """Each prompt's item ids to leave out of its results (``Engine.recommend``'s
+    ``exclude_item_ids``: None, or one list of item ids per prompt).
+
+    Raises:
+        XgrError: not a list of one entry per prompt, or an entry ``item_id_set`` refuses.
+    """
+    if exclude_item_ids is None:
+        return [set()] * num_prompts
+    if isinstance(exclude_item_ids, str | bytes) or not isinstance(
+        exclude_item_ids, Sequence | np.ndarray
+    ):
+        raise XgrError(
+            "exclude_item_ids must be a list with one entry (a list of item ids) per "
+            f"prompt, got {type(exclude_item_ids).__name__}"
+        )
+    if len(exclude_item_ids) != num_prompts:
+        raise XgrError("exclude_item_ids needs one entry per prompt")
+    return [item_id_set(ids, i) for i, ids in enumerate(exclude_item_ids)]
 
 
 def item_id_set(ids: Any, index: int) -> set[str]:

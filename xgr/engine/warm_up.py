@@ -1,6 +1,14 @@
-"""The batches a warm-up runs so that a load's CUDA graphs exist before the load."""
+"""The batches a warm-up runs so that a load's CUDA graphs exist before the load, and
+their run on every lane."""
 
 from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from xgr.engine.generate import generate_semantic_ids
+from xgr.engine.inputs import PREFILL_PAD_TOKEN
 
 # Prompt totals are stepped this finely (tokens): finer than any prefill bucket.
 TOTAL_STEP = 32
@@ -42,3 +50,28 @@ def _batch_shapes(total: int, size: int, shortest: int, longest: int) -> list[li
     rest = total - top
     skewed = [top] + [rest // (size - 1) + (i < rest % (size - 1)) for i in range(size - 1)]
     return [equal, skewed]
+
+
+def capture_lanes(spec, lanes: list, streams: list, batches: tuple, beam_width, top_k) -> int:
+    """Run on every lane the batches ``warm_up_batches`` gives, capturing their graphs
+    (``Engine.warm_up``).
+
+    Args:
+        spec: the engine's ``DecodeSpec``.
+        lanes: each lane's ``CudaGraphs``; streams: each lane's stream (None: current).
+        batches: (shortest, longest, max_batch_size) of the load (tokens, tokens, requests).
+        beam_width, top_k: the load's search parameters.
+
+    Returns:
+        graphs captured, all lanes together.
+    """
+    before = sum(g.captures for g in lanes)
+    prompt_lens, most = warm_up_batches(lanes[0], *batches)
+    for stream, graphs in zip(streams, lanes, strict=True):
+        graphs.reserve(most)  # growing the pool later would drop the graphs
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for lens in prompt_lens:
+                prompts = [[PREFILL_PAD_TOKEN] * n for n in lens]
+                generate_semantic_ids(spec, prompts, beam_width, top_k, graphs)
+    torch.cuda.synchronize(lanes[0].model.lm_head.weight.device)
+    return sum(g.captures for g in lanes) - before
