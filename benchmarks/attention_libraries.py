@@ -1,5 +1,6 @@
-"""PyTorch's own attention kernels against xgr's, on the GPU: where a library kernel might
-replace or split part of xgr's attention.
+"""PyTorch's own attention kernels against xgr's, on the GPU.
+
+Where a library kernel might replace or split part of xgr's attention.
 
 Device time per call (CUDA-graph replays, ``timing.graph_ms``; the inputs stay in L2 between
 calls) and relative error against a float32 reference, bf16, one request:

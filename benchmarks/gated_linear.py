@@ -1,5 +1,6 @@
-"""The feed-forward's gate/up GEMM with silu(gate) * up in its epilogue against cuBLAS and the
-separate activation pass, on the GPU.
+"""Gate/up GEMM with silu(gate) * up in its epilogue vs cuBLAS and a pass, on the GPU.
+
+The feed-forward's gate/up projection, then the activation pass that cuBLAS needs.
 
 For each gate/up shape (Qwen3-1.7B: K 2048, I 6144; Qwen2.5-0.5B: K 896, I 4864) and row
 count (256: a decode level's beams; 1,280 and more: prefills of ~1,000-5,000 tokens with

@@ -1,5 +1,7 @@
-"""Serving throughput under a P99 <= 200 ms budget: xgr's scheduler with batching (1..N CUDA
-streams) against the same engine one request at a time, on random-weight models of real shapes.
+"""Serving throughput under a P99 <= 200 ms budget, batching against one at a time.
+
+xgr's scheduler with batching (1..N CUDA streams) against the same engine one request at a
+time, on random-weight models of real shapes.
 
 For each configuration (model shape, prompt length drawn within +-20% of L, beam width =
 top_k) and each scheduler setting, open-loop Poisson load runs at rising rates (x1.5 per step)

@@ -87,6 +87,8 @@ def test_gated_mul_interleaved_matches_reference(rows, inter, dtype, act):
         kernels.gated_mul_interleaved(randn(2 * inter, 4, dtype=dtype).t(), act)
     with pytest.raises(ValueError, match="act must be"):
         kernels.gated_mul_interleaved(gate_up, "relu")
+    with pytest.raises(ValueError, match="floats"):
+        kernels.gated_mul_interleaved(torch.ones(2, 4, dtype=torch.int32, device=DEVICE))
 
 
 def test_gelu_tanh_keeps_the_negative_tail():

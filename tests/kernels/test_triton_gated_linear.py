@@ -1,7 +1,8 @@
 """The gate/up GEMM with the gated activation in its epilogue against the torch ops it replaces.
 
-On the CPU under Triton's interpreter (float32 and float16: its TMA loads of bfloat16 are
-wrong); on a GPU compiled, with bfloat16 too, where it also runs its persistent grid.
+On the CPU under Triton's interpreter (float32 and float16: its ``tl.dot`` of bfloat16
+operands is wrong); on a GPU compiled, with bfloat16 too, where it also runs its persistent
+grid.
 """
 
 from __future__ import annotations
@@ -77,3 +78,5 @@ def test_empty_rows_and_bad_arguments():
         gated_linear(x.double(), w.double())
     with pytest.raises(ValueError, match="aligned"):
         gated_linear(x[:, 1:], w[:, 1:].contiguous())  # a row stride of 63 floats
+    with pytest.raises(ValueError, match="aligned"):
+        gated_linear(x[:1].expand(4, 64), w)  # rows on top of each other

@@ -33,7 +33,7 @@ def test_fused_projections_equal_the_hf_layout(act, bias):
 
 
 def test_fuse_gate_up_refuses_mismatched_layers():
-    with pytest.raises(ValueError, match="one shape"):
+    with pytest.raises(ValueError, match="one output size"):
         fuse_gate_up(torch.nn.Linear(8, 4), torch.nn.Linear(8, 6))
 
 

@@ -153,13 +153,14 @@ def gated_mul_interleaved(gate_up: torch.Tensor, act: str = "silu") -> torch.Ten
         (T, I) in gate_up's dtype.
 
     Raises:
-        ValueError: not 2-D, an odd number of columns, a non-contiguous last dimension, or
-            another activation.
+        ValueError: not 2-D floats, an odd number of columns, a non-contiguous last
+            dimension, or another activation.
     """
     if act not in _INTERLEAVED_ACTIVATIONS:
         raise ValueError(f"act must be one of {list(_INTERLEAVED_ACTIVATIONS)}, got {act!r}")
-    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
-        raise ValueError(f"gate_up must be (T, 2 I), got {tuple(gate_up.shape)}")
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2 or not gate_up.is_floating_point():
+        raise ValueError(f"gate_up must be (T, 2 I) floats, got {tuple(gate_up.shape)} "
+                         f"{gate_up.dtype}")  # fmt: skip
     if gate_up.stride(-1) != 1:
         raise ValueError("gate_up needs a contiguous last dimension")
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2

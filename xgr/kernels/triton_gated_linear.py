@@ -110,7 +110,10 @@ def _gated_linear_kernel(
 def _aligned(t: torch.Tensor) -> bool:
     """A TMA descriptor's needs: 16-byte base and row stride, contiguous last dimension."""
     return (
-        t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+        t.stride(-1) == 1
+        and t.stride(0) >= t.shape[1]  # rows apart (a TMA descriptor takes no stride 0)
+        and t.data_ptr() % 16 == 0
+        and (t.stride(0) * t.element_size()) % 16 == 0
     )
 
 

@@ -7,14 +7,17 @@ from torch import nn
 
 
 @torch.no_grad()
-def concat_linears(*linears: nn.Linear) -> nn.Linear:
-    """One ``nn.Linear`` computing all of ``linears`` at once: their output rows stacked.
+def concat_linears(*linears: nn.Linear, interleave: bool = False) -> nn.Linear:
+    """One ``nn.Linear`` computing all of ``linears`` at once: their output rows stacked, or,
+    ``interleave``, taken in turn (row i of each layer, then row i + 1 of each, ...).
 
-    Its output's column blocks, in argument order, equal each layer's output (split it with
-    ``Tensor.split``). Weights and biases are copied; the caller drops the originals.
+    Stacked, its output's column blocks, in argument order, equal each layer's output (split
+    it with ``Tensor.split``); interleaved, column n * i + j is layer j's column i. Weights
+    and biases are copied once; the caller drops the originals.
 
     Raises:
-        ValueError: layers with different input sizes, dtypes, devices or bias presence.
+        ValueError: layers with different input sizes, dtypes, devices or bias presence, or,
+            interleaved, different output sizes.
     """
     first = linears[0].weight
     if any(
@@ -22,18 +25,26 @@ def concat_linears(*linears: nn.Linear) -> nn.Linear:
         or lin.weight.dtype != first.dtype
         or lin.weight.device != first.device
         or (lin.bias is None) != (linears[0].bias is None)
+        or (interleave and lin.weight.shape[0] != first.shape[0])
         for lin in linears
     ):
-        raise ValueError("only linears of one input size, dtype, device and bias can be fused")
+        raise ValueError(
+            "only linears of one input size, dtype, device and bias (and, interleaved, one "
+            "output size) can be fused"
+        )
+
+    def join(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack(tensors, dim=1).flatten(0, 1) if interleave else torch.cat(tensors)
+
     # Built on the meta device: a real one would draw its random initialization from the
     # default generator (wasted work, and it moves the generator's state under the caller).
     fused = nn.Linear(
         first.shape[1], sum(lin.weight.shape[0] for lin in linears),
         bias=linears[0].bias is not None, device="meta", dtype=first.dtype,
     )  # fmt: skip
-    fused.weight = nn.Parameter(torch.cat([lin.weight for lin in linears]), requires_grad=False)
+    fused.weight = nn.Parameter(join([lin.weight for lin in linears]), requires_grad=False)
     if linears[0].bias is not None:
-        fused.bias = nn.Parameter(torch.cat([lin.bias for lin in linears]), requires_grad=False)
+        fused.bias = nn.Parameter(join([lin.bias for lin in linears]), requires_grad=False)
     return fused
 
 
@@ -55,21 +66,9 @@ def interleave_gate_up(weight: torch.Tensor) -> torch.Tensor:
     return torch.stack([gate, up], dim=1).reshape(weight.shape)
 
 
-@torch.no_grad()
 def fuse_gate_up(gate: nn.Linear, up: nn.Linear) -> nn.Linear:
     """One ``nn.Linear`` computing a gated feed-forward's gate and up projections at once,
-    its output rows (weight and bias) interleaved by ``interleave_gate_up``: column 2 i of
-    its output is gate i, column 2 i + 1 up i. The weights are copied; the caller drops the
-    originals.
-
-    Raises:
-        ValueError: as ``concat_linears``, or layers of different output sizes.
-    """
-    if gate.weight.shape != up.weight.shape:
-        raise ValueError(f"gate {tuple(gate.weight.shape)} and up {tuple(up.weight.shape)} "
-                         "must have one shape")  # fmt: skip
-    fused = concat_linears(gate, up)
-    fused.weight = nn.Parameter(interleave_gate_up(fused.weight), requires_grad=False)
-    if fused.bias is not None:
-        fused.bias = nn.Parameter(interleave_gate_up(fused.bias), requires_grad=False)
-    return fused
+    its output rows (weight and bias) interleaved, as ``interleave_gate_up`` lays them out:
+    column 2 i of its output is gate i, column 2 i + 1 up i. Raises ValueError as
+    ``concat_linears`` (interleaved)."""
+    return concat_linears(gate, up, interleave=True)

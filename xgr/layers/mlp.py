@@ -21,9 +21,12 @@ _ACTIVATIONS = {
 # ``triton_elementwise.gated_mul_interleaved``), by HF's config names.
 KERNEL_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 # Rows from which CUDA runs the gate/up GEMM with the activation in its epilogue
-# (``xgr.kernels.triton_gated_linear``): on an H200 it beat cuBLAS + the activation pass at
-# 1,280 rows and more, and lost at 512 (results/gated-linear-s17-*: Qwen3-1.7B's shape 48
-# against 42 us at 512 rows, 96 against 100 at 1,280).
+# (``xgr.kernels.triton_gated_linear``). On an H200, against cuBLAS + the activation pass
+# (results/gated-linear-s17-*), us: Qwen3-1.7B's shape 48 against 42 at 512 rows, 96
+# against 100 at 1,280, 251 against 257 at 3,328 and 406 against 401 at 5,376 (394 against
+# 410 in the sweep); Qwen2.5-0.5B's 26 against 21 at 512 rows, 37 against 45 at 1,280, 149
+# against 174 at 5,376. Whole prefills gained at every length measured
+# (results/gated-linear-ab-s17-*: Qwen3-1.7B -0.16 ms at 1,000 tokens, -0.96 at 5,000).
 GATED_LINEAR_MIN_ROWS = 1024
 
 
@@ -67,8 +70,11 @@ def _fused_epilogue_fits(x: torch.Tensor, gate_up: nn.Linear) -> bool:
         and x.dtype in (torch.bfloat16, torch.float16)
         and gate_up.bias is None
         and x.stride(-1) == 1
+        and x.stride(0) >= x.shape[1]
         and (x.stride(0) * x.element_size()) % 16 == 0
         and x.data_ptr() % 16 == 0
+        and weight.is_contiguous()
+        and weight.data_ptr() % 16 == 0
         and (weight.shape[1] * weight.element_size()) % 16 == 0
         and (weight.shape[0] // 2 * weight.element_size()) % 16 == 0
     )
