@@ -11,6 +11,7 @@ from xgr.beam.logits import (
     code_log_probs,
     distinct_code_mask,
     full_vocab_logsumexp,
+    full_vocab_partials,
     level_head_weights,
 )
 from xgr.catalog.trie import build_prefix_trie
@@ -117,3 +118,18 @@ def test_model_dtype_level_weights_give_the_float32_path_scores(dtype, full_voca
     assert got.dtype == torch.float32
     # Same bf16/fp16 products, float32 sums in another order.
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="precomputed partials are CUDA's")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_partials_of_several_levels_in_one_pass_give_each_level_its_scores(dtype):
+    weight, h = (t.cuda().to(dtype) for t in random_head(vocab=3000, hidden=256))
+    first_row, rows = h[:1] * 0.5, h[1:]
+    sid_token_ids = torch.randint(0, 3000, (2, 64), generator=torch.Generator().manual_seed(5))
+    levels = level_head_weights(weight, sid_token_ids.cuda())
+    together = full_vocab_partials(torch.cat([first_row, rows]), weight)
+    for hidden, level, part in ((first_row, 0, together[:1]), (rows, 1, together[1:])):
+        alone = code_log_probs(hidden, levels[level], weight)
+        got = code_log_probs(hidden, levels[level], weight, partials=part)
+        # The same logits in another GEMM shape: summation order only.
+        torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-4)

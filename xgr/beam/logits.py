@@ -151,6 +151,7 @@ def code_log_probs(
     level_weight: torch.Tensor,
     lm_head_weight: torch.Tensor | None,
     code_mask: torch.Tensor | None = None,
+    partials: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Log-probabilities of one level's codes.
 
@@ -164,6 +165,9 @@ def code_log_probs(
             level's codes only (for models whose vocabulary is only semantic-ID codes).
         code_mask: (codebook_size,) bool, the codes that are distinct in-vocabulary tokens
             (``distinct_code_mask``); None: all codes.
+        partials: (N, P) float32 ``full_vocab_partials`` of these rows, already computed
+            (CUDA: together with other rows, in one pass over the LM head); None computes
+            them here. Ignored without ``lm_head_weight`` and on the CPU.
 
     Returns:
         (N, codebook_size) float32; -inf for codes outside ``code_mask``. In bf16/fp16 the
@@ -180,7 +184,10 @@ def code_log_probs(
     if hidden.is_cuda:  # one Triton pass after the GEMMs, where torch takes ~35 kernels
         from xgr.kernels.triton_code_log_probs import code_log_probs_from_logits
 
-        partials = None if lm_head_weight is None else full_vocab_partials(hidden, lm_head_weight)
+        if lm_head_weight is None:
+            partials = None
+        elif partials is None:
+            partials = full_vocab_partials(hidden, lm_head_weight)
         return code_log_probs_from_logits(logits, partials, code_mask, hidden.dtype)
     lse = None if lm_head_weight is None else full_vocab_logsumexp(hidden, lm_head_weight)
     return code_log_probs_reference(logits, lse, code_mask, hidden.dtype)

@@ -62,15 +62,16 @@ def decode_levels(
         meta = DecodeMetadata(shared, live_beams, cu_seqlens_host, width, spec.attention_backend)
         return spec.model(ids, pos.reshape(-1), meta)
 
-    first = spec.log_probs(last_hidden, 0)
     if level_one is None:
+        first = spec.log_probs(last_hidden, 0)
         return _search_levels(spec, first, beam, forward, beam_width, top_k)
     hidden, kv = level_one
     written = hidden.shape[0]
     beam.k[:, :written, 0] = kv.k[:, :, 0]  # slot 0 of the code rows, in their order
     beam.v[:, :written, 0] = kv.v[:, :, 0]
     beam.length = 1
-    state = _level_one_step(spec, first, spec.log_probs(hidden, 1), beam_width, top_k)
+    first, second = spec.log_probs_of_levels([(last_hidden, 0), (hidden, 1)])
+    state = _level_one_step(spec, first, second, beam_width, top_k)
     widths = live_beam_widths(spec.trie, beam_width, top_k)[1:]
     layout = (spec.first_codes.shape[0], 0)  # level 1's parent p of request r: row r * V0 + p
     return _later_levels(spec, state, beam, forward, beam_width, top_k, widths, layout)
@@ -254,8 +255,9 @@ def _decode_encdec_start_and_codes(
     meta = EncDecDecodeMetadata(shared, beam, cu_seqlens_host, per_request, pass_rows, backend)
     hidden = model.decode_start_and_codes(ids.reshape(-1), meta).view(num_requests, per_request, -1)
     beam.length = 2
-    first = spec.log_probs(hidden[:, 0], 0)  # [R, codebook]
-    second = spec.log_probs(hidden[:, 1:].reshape(num_requests * num_codes, -1), 1)
+    first, second = spec.log_probs_of_levels(
+        [(hidden[:, 0], 0), (hidden[:, 1:].reshape(num_requests * num_codes, -1), 1)]
+    )  # [R, codebook], [R * V0, codebook]
     state = _level_one_step(spec, first, second, beam_width, top_k)
     forward = _encdec_forward(spec, shared, beam, cu_seqlens_host)
     widths = live_beam_widths(spec.trie, beam_width, top_k)[1:]

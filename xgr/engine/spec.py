@@ -7,7 +7,12 @@ from dataclasses import dataclass
 
 import torch
 
-from xgr.beam.logits import code_log_probs, distinct_code_mask, level_head_weights
+from xgr.beam.logits import (
+    code_log_probs,
+    distinct_code_mask,
+    full_vocab_partials,
+    level_head_weights,
+)
 from xgr.catalog.trie import PrefixTrie
 from xgr.models.decoder import CausalLM
 from xgr.models.t5 import T5Seq2SeqLM
@@ -75,3 +80,21 @@ class DecodeSpec:
         """(N, hidden) -> (N, codebook_size) float32 log-probabilities of the level's codes."""
         full = self.model.lm_head.weight if self.full_vocab else None
         return code_log_probs(hidden, self.level_weights[level], full, self.code_mask[level])
+
+    def log_probs_of_levels(self, rows: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
+        """``log_probs`` of several (hidden, level) row sets; on CUDA the full-vocabulary
+        normalizer of all their rows comes from one pass over the LM head. Level 0 has one
+        row a request, and alone it reads the whole head for a matrix-vector product
+        (Qwen3-1.7B: 151,936 x 2,048, ~0.15 ms on an H200), where beside the next level's
+        hundreds of rows it adds a row to a GEMM that reads the head anyway."""
+        full = self.model.lm_head.weight if self.full_vocab else None
+        if full is None or not rows[0][0].is_cuda:
+            return [self.log_probs(hidden, level) for hidden, level in rows]
+        partials = full_vocab_partials(torch.cat([hidden for hidden, _ in rows]), full)
+        out, start = [], 0
+        for hidden, level in rows:
+            part = partials[start : start + hidden.shape[0]]
+            weight, mask = self.level_weights[level], self.code_mask[level]
+            out.append(code_log_probs(hidden, weight, full, mask, part))
+            start += hidden.shape[0]
+        return out
