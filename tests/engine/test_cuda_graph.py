@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 
 import numpy as np
 import pytest
@@ -63,6 +65,20 @@ def test_packed_prefill_keys_do_not_depend_on_the_batch_size():
     assert graphs.prefill_key([1] * 17) is None  # above max_requests: eager
     assert graphs.prefill_key([40_000, 40_000]) is None  # above max_prefill_tokens
     assert CudaGraphs(tiny_model(torch.float32)).prefill_key([3, 4]) is None  # fp32: eager
+
+
+def test_a_dropped_cuda_graphs_is_freed_without_the_cyclic_collector():
+    # Its graphs, memory pool, prompt-KV pool and capture stream go with it: a reference
+    # cycle would keep them until a collection that GPU memory pressure does not trigger.
+    gc.disable()
+    try:
+        graphs = CudaGraphs(tiny_model(torch.bfloat16))
+        graphs.reserve(64)
+        freed = weakref.ref(graphs)
+        del graphs
+        assert freed() is None
+    finally:
+        gc.enable()
 
 
 def tiny_t5(dtype, num_heads=4):

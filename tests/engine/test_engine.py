@@ -199,6 +199,11 @@ def test_code_map_must_match_catalog(model_dirs):
         Engine.from_pretrained(
             model_dirs["qwen2"], catalog, sid_token_ids=sequential_sid_map(3, 16, 90)
         )
+    # Errors of the engine's construction are the folder's too, as XgrError.
+    with pytest.raises(XgrError, match="cannot load model folder.*ValueError"):
+        Engine.from_pretrained(model_dirs["qwen2"], catalog, sid_token_ids=[[1, 2], [3]])
+    with pytest.raises(XgrError, match="cannot load model folder.*bogus_option"):
+        make_engine(model_dirs, catalog, bogus_option=1)
 
 
 def test_catalog_fingerprint_is_checked(tmp_path):

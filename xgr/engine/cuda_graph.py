@@ -79,7 +79,7 @@ class CudaGraphs:
         self.max_requests = max_requests
         self.max_prefill_tokens = max_prefill_tokens
         self.lock = threading.RLock()
-        self.cache = GraphCache(self, max_graphs)
+        self.cache = GraphCache(max_graphs)
         self._prompt_kv = PromptKVPool(model)
         self._staging: InputStaging | None = None
         self._level_one: BeamKV | None = None  # ``_level_one_kv``

@@ -24,7 +24,7 @@ from xgr.core import (
 from xgr.engine.cuda_graph import CudaGraphs
 from xgr.engine.decode import runs_first_levels_together
 from xgr.engine.generate import launch_semantic_ids
-from xgr.engine.model_folder import load_engine_parts
+from xgr.engine.model_folder import load_engine
 from xgr.engine.prompt import PromptFormat, integer_tokens, refuse_unknown_pieces
 from xgr.engine.results import PendingRecommendation, excluded_items, search_params
 from xgr.engine.spec import DecodeSpec
@@ -167,8 +167,10 @@ class Engine:
             XgrError: unreadable folder or weights, no catalog, a catalog whose fingerprint
                 differs from the one saved beside the model, or a code map that does not fit.
         """
-        parts = load_engine_parts(Path(model_dir), catalog, device, dtype, sid_token_ids)
-        return cls(**parts, **options)
+        return load_engine(
+            Path(model_dir), catalog, device, dtype, sid_token_ids,
+            lambda **parts: cls(**parts, **options),
+        )  # fmt: skip
 
     @property
     def lanes(self) -> int:

@@ -29,12 +29,10 @@ class GraphCache:
     are consumed before the next (``CudaGraphs`` ensures both).
 
     Args:
-        owner: the object the capture stream is drawn for (``exclusive_stream``).
         max_graphs: graphs kept; the least recently used is dropped beyond this.
     """
 
-    def __init__(self, owner: object, max_graphs: int) -> None:
-        self.owner = owner
+    def __init__(self, max_graphs: int) -> None:
         self.max_graphs = max_graphs
         self.captures = 0  # graphs captured so far (for tests and logs)
         self.capture_stream: torch.cuda.Stream | None = None
@@ -89,7 +87,10 @@ class GraphCache:
         """Capture ``run`` as ``key``'s graph after one warm-up run (it compiles kernels and
         creates library handles), both on a side stream; the graph is not replayed."""
         if self.capture_stream is None:
-            self.capture_stream = exclusive_stream(self.owner, inputs[0].device, "capture")
+            # Drawn for this cache (no reference back to its holder, which would make a
+            # cycle that only the cyclic collector frees, GPU memory and stream with it):
+            # handed back when the cache is freed.
+            self.capture_stream = exclusive_stream(self, inputs[0].device, "capture")
         stream = self.capture_stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

@@ -91,17 +91,17 @@ def load_tokenizer(model_dir: Path) -> Any:
         raise XgrError(f"cannot read {path}: {exc}") from exc
 
 
-def load_engine_parts(
-    model_dir: Path, catalog: ItemCatalog | None, device, dtype, sid_token_ids: Any
-) -> dict[str, Any]:
-    """``Engine``'s constructor arguments from a model folder (``Engine.from_pretrained``:
-    arguments and errors as there): model, catalog, code map, tokenizer, name, prompt
-    format and titles."""
+def load_engine(
+    model_dir: Path, catalog: ItemCatalog | None, device, dtype, sid_token_ids: Any, make
+) -> Any:
+    """``make(**parts)`` of a model folder's parts: model, catalog, code map, tokenizer,
+    name, prompt format and titles (``Engine.from_pretrained``: arguments and errors as
+    there; ``make`` builds the engine, and its errors are reported as the folder's too)."""
     if not model_dir.is_dir():
         raise XgrError(f"model folder {model_dir} does not exist")
     device = resolve_device(device)
     try:
-        return _load(model_dir, catalog, device, dtype, sid_token_ids)
+        return make(**_load(model_dir, catalog, device, dtype, sid_token_ids))
     except XgrError:
         raise
     except (
