@@ -337,6 +337,8 @@ def test_num_results_as_arrays_and_exclusions_as_a_generator(model_dirs):
         engine.recommend(prompts, beam_width=8, num_results=np.array([3]))
     with pytest.raises(XgrError, match="exclude_item_ids must be a list .* got generator"):
         engine.recommend(prompts, exclude_item_ids=(ids for ids in [["0"], ["1"]]))
+    with pytest.raises(XgrError, match="exclude_item_ids must be a list .* got ndarray"):
+        engine.recommend(prompts, exclude_item_ids=np.array("0"))  # 0-d: no entries
 
 
 def corrupt(folder, name, text):

@@ -184,8 +184,10 @@ def excluded_items(num_prompts: int, exclude_item_ids: Any) -> list[set[str]]:
     """
     if exclude_item_ids is None:
         return [set()] * num_prompts
-    if isinstance(exclude_item_ids, str | bytes) or not isinstance(
-        exclude_item_ids, Sequence | np.ndarray
+    if (
+        isinstance(exclude_item_ids, str | bytes)
+        or not isinstance(exclude_item_ids, Sequence | np.ndarray)
+        or (isinstance(exclude_item_ids, np.ndarray) and exclude_item_ids.ndim == 0)
     ):
         raise XgrError(
             "exclude_item_ids must be a list with one entry (a list of item ids) per "
