@@ -37,14 +37,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import graph_ms, run_environment  # noqa: E402
 
 from xgr.kernels.decode_attention import decode_attention_reference  # noqa: E402
+from xgr.kernels.decode_attention_launch import DEFAULT_LAUNCH  # noqa: E402
 from xgr.kernels.prefill_attention import (  # noqa: E402
     prefill_attention,
     prefill_attention_reference,
 )
-from xgr.kernels.triton_decode_attention import (  # noqa: E402
-    DEFAULT_LAUNCH,
-    beam_decode_attention,
-)
+from xgr.kernels.triton_decode_attention import beam_decode_attention  # noqa: E402
 
 SHAPES = {"qwen3-1.7b": (16, 8, 128), "qwen2.5-0.5b": (14, 2, 64)}
 PROMPT_LENGTHS = (1000, 3000, 5000)
@@ -270,7 +268,7 @@ def sweep(prompt_lens=(3000,), beam_widths=(512,)) -> tuple[list[dict], dict]:
 def split_sweep(prompt_lens, beam_widths) -> list[dict]:
     """Time the default tiles with 1, 2, 4 and 8 splits and with ``choose_num_splits``'s
     count, one request, on the grids that do not fill the GPU (the split rule's domain)."""
-    from xgr.kernels.triton_decode_attention import choose_num_splits
+    from xgr.kernels.decode_attention_launch import choose_num_splits
 
     rows = []
     warm_up_clocks()

@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
+from xgr.kernels import decode_attention_launch as launch_module  # noqa: E402
 from xgr.kernels import triton_decode_attention as kernel_module  # noqa: E402
 from xgr.kernels.decode_attention import (  # noqa: E402
     decode_attention_reference,
@@ -59,21 +60,21 @@ def reference(q, k, v, cu, bk, bv, beam_rows, tokens, beam_width, scale):
 
 
 MODES = {
-    "fused": dict(staged=False, config=kernel_module.LaunchConfig(num_splits=1)),
-    "staged": dict(staged=True, config=kernel_module.LaunchConfig(num_splits=1)),
+    "fused": dict(staged=False, config=launch_module.LaunchConfig(num_splits=1)),
+    "staged": dict(staged=True, config=launch_module.LaunchConfig(num_splits=1)),
     # 3 splits: a 1-token or 5-token prompt leaves splits empty, which must weigh nothing.
-    "split3": dict(staged=False, config=kernel_module.LaunchConfig(num_splits=3)),
+    "split3": dict(staged=False, config=launch_module.LaunchConfig(num_splits=3)),
     "split5_block16": dict(
-        staged=False, config=kernel_module.LaunchConfig(block_m=16, block_n=16, num_splits=5)
+        staged=False, config=launch_module.LaunchConfig(block_m=16, block_n=16, num_splits=5)
     ),
     # The merge launch with its own tiles: larger and smaller than the shared stage's.
     "split2_merge64": dict(
         staged=False,
-        config=kernel_module.LaunchConfig(block_m=16, num_splits=2, merge_block_m=64),
+        config=launch_module.LaunchConfig(block_m=16, num_splits=2, merge_block_m=64),
     ),
     "split2_merge4": dict(
         staged=False,
-        config=kernel_module.LaunchConfig(num_splits=2, merge_block_m=4, merge_num_warps=1),
+        config=launch_module.LaunchConfig(num_splits=2, merge_block_m=4, merge_num_warps=1),
     ),
 }
 
@@ -138,7 +139,7 @@ def test_every_output_element_is_written(monkeypatch):
 def test_launch_config_refuses_sizes_triton_cannot_run(fields):
     name = next(iter(fields))
     with pytest.raises(ValueError, match=f"LaunchConfig.{name}"):
-        kernel_module.LaunchConfig(**fields)
+        launch_module.LaunchConfig(**fields)
 
 
 @pytest.mark.parametrize(
@@ -198,6 +199,6 @@ def test_shared_only_attention_matches_reference(
 def test_split_count_aims_at_two_programs_per_sm(monkeypatch, programs, splits):
     """On a 132-SM GPU (an H200): grids past the SMs take one fused launch; smaller ones
     are split toward two programs per SM, two splits at least, eight at most."""
-    monkeypatch.setattr(kernel_module, "_num_sms", lambda index: 132)
-    assert kernel_module.choose_num_splits(programs, torch.device("cuda", 0)) == splits
-    assert kernel_module.choose_num_splits(programs, torch.device("cpu")) == 1
+    monkeypatch.setattr(launch_module, "multiprocessor_count", lambda index: 132)
+    assert launch_module.choose_num_splits(programs, torch.device("cuda", 0)) == splits
+    assert launch_module.choose_num_splits(programs, torch.device("cpu")) == 1
