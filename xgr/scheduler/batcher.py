@@ -32,7 +32,8 @@ import time
 from typing import Any
 
 from xgr.core import XgrError, positive_int
-from xgr.scheduler.metrics import RequestTimes, ServingMetrics
+from xgr.scheduler.batch_policy import form_batch, live_requests, refuse_late
+from xgr.scheduler.metrics import ServingMetrics
 from xgr.scheduler.requests import (
     Answer,
     DeadlineExceededError,
@@ -40,11 +41,10 @@ from xgr.scheduler.requests import (
     QueuedRequest,
     QueueFullError,
     ShuttingDownError,
+    answer_requests,
     check_max_batch_ms,
 )
 
-# Reported for every answered request: all semantic IDs have a fixed number of levels.
-FINISHED_REASON = "length"
 # Pipelined launches (see ``RequestBatcher._pace``): the next batch is formed this many
 # launch times plus a margin (s) before the device is predicted to be free.
 LAUNCH_LEAD_FACTOR = 2.0
@@ -236,7 +236,7 @@ class RequestBatcher:
         if request.future.done() or not any(r is request for r in self._waiting):
             return  # answered, withdrawn, or in a batch that has started
         self._waiting = [r for r in self._waiting if r is not request]
-        _refuse_late(request, time.perf_counter())
+        refuse_late(request, time.perf_counter())
         self._report_load()
 
     async def _answer(self, request: QueuedRequest, future: asyncio.Future) -> Answer:
@@ -258,38 +258,15 @@ class RequestBatcher:
     def _next_batch(self) -> list[QueuedRequest]:
         """Take the next batch from the queue (see the module docstring); may be empty."""
         now = time.perf_counter()
-        kept = []
-        for request in self._waiting:
-            if request.future.done():  # withdrawn
-                continue
-            if request.deadline is not None and now > request.deadline:
-                _refuse_late(request, now)
-                continue
-            kept.append(request)
-        self._waiting = kept
+        kept = self._waiting = live_requests(self._waiting, now)
         if not kept:
             return []
-        key = (kept[0].beam_width, kept[0].top_k)
-        batch, tokens = [], 0
-        for request in kept:
-            if len(batch) == self.max_batch_size:
-                break
-            if (request.beam_width, request.top_k) != key:
-                continue
-            cost = self.cost(request)
-            if batch and tokens + cost > self.max_batch_tokens:
-                break  # first in, first served: no younger request jumps ahead
-            batch.append(request)
-            tokens += cost
         # A batch launched behind others starts on the device when they are predicted done.
         start = max(now, self._device_free_at) if self._batches else now
-        while len(batch) > 1:
-            seconds = self.latency.predict(tokens)
-            deadlines = [r.deadline for r in batch if r.deadline is not None]
-            meets = not deadlines or start + seconds <= min(deadlines)
-            if meets and (self.max_batch_ms is None or seconds * 1e3 <= self.max_batch_ms):
-                break
-            tokens -= self.cost(batch.pop())  # the newest waits for the next batch
+        batch, tokens = form_batch(
+            kept, self.cost, start, self.latency, self.max_batch_size, self.max_batch_tokens,
+            self.max_batch_ms,
+        )  # fmt: skip
         self._device_free_at = start + self.latency.predict(tokens)
         taken = set(map(id, batch))
         self._waiting = [r for r in kept if id(r) not in taken]
@@ -413,21 +390,7 @@ class RequestBatcher:
         ran = self._run_seconds(started, finished, results)
         if any(r.recorded for r in live):  # the warm-up request's compile time is no measure
             self.latency.observe(sum(self.cost(r) for r in live), ran)
-        for request, result in zip(live, results, strict=True):
-            device = (result.prefill_ms + result.decode_ms) / 1e3
-            times = RequestTimes(
-                # Until its batch's device work began (a launched batch may first wait for
-                # the one ahead of it on the stream).
-                queue=max(started - request.arrived, finished - request.arrived - device),
-                prefill=result.prefill_ms / 1e3,
-                decode=result.decode_ms / 1e3,
-                e2e=finished - request.arrived,
-            )
-            if request.future.done():  # withdrawn while its batch ran: nobody to answer
-                continue
-            if self.metrics and request.recorded:
-                self.metrics.observe_request(times, result.prompt_tokens, FINISHED_REASON)
-            request.future.set_result(Answer(result, times))
+        answer_requests(live, results, started, finished, self.metrics)
 
     def _run_seconds(self, started: float, finished: float, results: list) -> float:
         """How long a batch took, for the latency model: from its launch, less the time it
@@ -445,11 +408,3 @@ class RequestBatcher:
         if self.metrics:
             running = sum(len(b) for b in self._batches)
             self.metrics.set_load(running, len(self._waiting))
-
-
-def _refuse_late(request: QueuedRequest, now: float) -> None:
-    """Answer a queued request whose deadline passed at ``now`` (perf_counter s) with a 504."""
-    waited_ms = (now - request.arrived) * 1e3
-    request.future.set_exception(
-        DeadlineExceededError(f"deadline passed after {waited_ms:.0f} ms in the queue")
-    )

@@ -1,6 +1,6 @@
-"""What the scheduler queues and answers: a queued request, its answer, the errors that
-refuse it (with their HTTP statuses), and the run-time model that decides whether its
-deadline can be met."""
+"""What the scheduler queues and answers: a queued request, its answer (and the answering
+of a finished batch), the errors that refuse it (with their HTTP statuses), and the
+run-time model that decides whether its deadline can be met."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from xgr.core import ModelOutputError, PromptTooLongError, RecommendResult, XgrError
-from xgr.scheduler.metrics import RequestTimes
+from xgr.scheduler.metrics import RequestTimes, ServingMetrics
 
 
 class DeadlineExceededError(XgrError):
@@ -114,3 +114,40 @@ class Answer:
 
     result: RecommendResult
     times: RequestTimes
+
+
+# Reported for every answered request: all semantic IDs have a fixed number of levels.
+FINISHED_REASON = "length"
+
+
+def answer_requests(
+    live: list[QueuedRequest],
+    results: list[RecommendResult],
+    started: float,
+    finished: float,
+    metrics: ServingMetrics | None,
+) -> None:
+    """Answer each request of a finished batch with its result and times (and record them
+    in ``metrics``); a request withdrawn meanwhile is skipped.
+
+    Args:
+        live: the batch's requests, in the engine call's order.
+        results: the engine's results, one per request.
+        started, finished: perf_counter seconds of the call's launch and of its results.
+        metrics: the serving metrics, or None.
+    """
+    for request, result in zip(live, results, strict=True):
+        device = (result.prefill_ms + result.decode_ms) / 1e3
+        times = RequestTimes(
+            # Until its batch's device work began (a launched batch may first wait for the
+            # one ahead of it on the stream).
+            queue=max(started - request.arrived, finished - request.arrived - device),
+            prefill=result.prefill_ms / 1e3,
+            decode=result.decode_ms / 1e3,
+            e2e=finished - request.arrived,
+        )
+        if request.future.done():  # withdrawn while its batch ran: nobody to answer
+            continue
+        if metrics and request.recorded:
+            metrics.observe_request(times, result.prompt_tokens, FINISHED_REASON)
+        request.future.set_result(Answer(result, times))
