@@ -439,6 +439,28 @@ def test_submit_all_admits_together_or_not_at_all():
     assert sorted(p[0] for c in engine.calls for p in c[0]) == [0, 1, 2]
 
 
+def test_submit_all_withdraws_the_rest_of_a_group_once_one_request_fails():
+    engine = RecordingEngine()
+
+    async def scenario():
+        batcher = held_batcher(engine)
+        first = asyncio.ensure_future(batcher.submit(request(0)))
+        await asyncio.sleep(0.02)  # running, held: the group waits behind it
+        soon = time.perf_counter() + 0.05
+        group = [request(7), request(8, deadline=soon), request(9)]
+        with pytest.raises(DeadlineExceededError, match="deadline passed after"):
+            await batcher.submit_all(group)
+        waiting = len(batcher._waiting)
+        engine.release.set()
+        await first
+        await batcher.stop()
+        return group, waiting
+
+    group, waiting = asyncio.run(scenario())
+    assert waiting == 0 and all(r.future.cancelled() for r in (group[0], group[2]))
+    assert [p[0] for c in engine.calls for p in c[0]] == [0]  # none of the group ran
+
+
 def count_concurrent_calls(engine, counted=lambda state: True) -> dict:
     """Wrap ``engine.recommend`` to track the most calls running at once (``state["most"]``),
     counting only calls that start while ``counted(state)`` holds."""

@@ -185,16 +185,26 @@ class RequestBatcher:
 
         Raises:
             XgrError: more requests than the queue can ever hold (a client error, not 429).
-            the errors of ``submit``: the first failing request's.
+            the errors of ``submit``: the first failing request's; the group's other
+                requests are then withdrawn.
         """
         if len(requests) > self.max_queue:
             raise XgrError(f"{len(requests)} requests exceed the queue's {self.max_queue} places")
         futures = self._admit(requests)
-        return list(
-            await asyncio.gather(
-                *(self._answer(r, f) for r, f in zip(requests, futures, strict=True))
-            )
-        )
+        answers = [
+            asyncio.ensure_future(self._answer(r, f))
+            for r, f in zip(requests, futures, strict=True)
+        ]
+        try:
+            return list(await asyncio.gather(*answers))
+        except BaseException:
+            # The group is answered whole or not at all: the rest would be wasted work (those
+            # still waiting leave the queue), and each outcome is collected, so none is
+            # logged as an exception never retrieved.
+            for answer in answers:
+                answer.cancel()
+            await asyncio.gather(*answers, return_exceptions=True)
+            raise
 
     def _admit(self, requests: list[QueuedRequest]) -> list[asyncio.Future]:
         if self._task is None or self._task.done() or self._closing:
