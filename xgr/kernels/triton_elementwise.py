@@ -15,6 +15,7 @@ References: RMSNorm (Zhang & Sennrich, 2019); RoPE in the half-split layout (Su 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -105,6 +106,14 @@ def rms_norm(
 
 # Activation codes of ``activation`` (constexpr arguments of the kernels that apply one).
 RELU, GELU_TANH, SILU = 1, 2, 3
+# The gates of the gated kernels (``gated_mul_interleaved``, ``triton_gated_linear``), by
+# name, and every activation's torch function (the references').
+GATE_ACTIVATIONS = {"silu": SILU, "gelu_tanh": GELU_TANH}
+TORCH_ACTIVATIONS = {
+    "relu": F.relu,
+    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+    "silu": F.silu,
+}
 
 
 @triton.jit
@@ -138,9 +147,6 @@ def _interleaved_gated_mul_kernel(
     tl.store(OUT + row * stride_o + offs, (act.to(tl.float32) * u).to(dtype), mask=ok)
 
 
-_INTERLEAVED_ACTIVATIONS = {"silu": SILU, "gelu_tanh": GELU_TANH}
-
-
 def gated_mul_interleaved(gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
     """act(gate) * up in one pass, gate and up interleaved in the columns of one projection
     (``xgr.layers.linear.interleave_gate_up``'s layout).
@@ -156,8 +162,8 @@ def gated_mul_interleaved(gate_up: torch.Tensor, act: str = "silu") -> torch.Ten
         ValueError: not 2-D floats, an odd number of columns, a non-contiguous last
             dimension, or another activation.
     """
-    if act not in _INTERLEAVED_ACTIVATIONS:
-        raise ValueError(f"act must be one of {list(_INTERLEAVED_ACTIVATIONS)}, got {act!r}")
+    if act not in GATE_ACTIVATIONS:
+        raise ValueError(f"act must be one of {list(GATE_ACTIVATIONS)}, got {act!r}")
     if gate_up.dim() != 2 or gate_up.shape[1] % 2 or not gate_up.is_floating_point():
         raise ValueError(f"gate_up must be (T, 2 I) floats, got {tuple(gate_up.shape)} "
                          f"{gate_up.dtype}")  # fmt: skip
@@ -169,7 +175,7 @@ def gated_mul_interleaved(gate_up: torch.Tensor, act: str = "silu") -> torch.Ten
     if rows and inter:
         _interleaved_gated_mul_kernel[(rows, triton.cdiv(inter, block))](
             gate_up, out, gate_up.stride(0), out.stride(0), inter,
-            ACT=_INTERLEAVED_ACTIVATIONS[act], BLOCK=block,
+            ACT=GATE_ACTIVATIONS[act], BLOCK=block,
         )  # fmt: skip
     return out
 

@@ -30,9 +30,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from xgr.kernels.triton_elementwise import GELU_TANH, SILU, activation
+from xgr.kernels.triton_elementwise import GATE_ACTIVATIONS, TORCH_ACTIVATIONS, activation
 
-ACTIVATIONS = {"silu": SILU, "gelu_tanh": GELU_TANH}
 # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps) per dtype. Half types: on an H200 (bf16,
 # results/gated-linear-sweep-s17-*) 128 x 256 tiles with 64-deep K steps, 3 stages and 8
 # warps took 95 us against cuBLAS + the activation pass's 99 at Qwen3-1.7B's gate/up shape
@@ -117,6 +116,14 @@ def _aligned(t: torch.Tensor) -> bool:
     )
 
 
+def tma_compatible(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether (T, K) rows ``x`` and a (2 I, K) ``weight`` meet ``gated_linear``'s TMA
+    descriptors' needs, its (T, I) output's included: 16-byte aligned rows that do not
+    overlap, contiguous last dimensions, a contiguous weight, I a multiple of 16 bytes."""
+    out_row_bytes = weight.shape[0] // 2 * weight.element_size()
+    return _aligned(x) and _aligned(weight) and weight.is_contiguous() and out_row_bytes % 16 == 0
+
+
 def gated_linear(x: torch.Tensor, weight: torch.Tensor, act: str = "silu") -> torch.Tensor:
     """act(x G^T) * (x U^T) in one Triton GEMM, G and U interleaved in ``weight``.
 
@@ -133,8 +140,8 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor, act: str = "silu") -> to
     Raises:
         ValueError: shapes, dtypes, devices or alignments as above, or another activation.
     """
-    if act not in ACTIVATIONS:
-        raise ValueError(f"act must be one of {list(ACTIVATIONS)}, got {act!r}")
+    if act not in GATE_ACTIVATIONS:
+        raise ValueError(f"act must be one of {list(GATE_ACTIVATIONS)}, got {act!r}")
     if x.dim() != 2 or x.dtype not in LAUNCH:
         raise ValueError(f"x must be (T, K) of {list(LAUNCH)}, got {tuple(x.shape)} {x.dtype}")
     rows, depth = x.shape
@@ -151,7 +158,7 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor, act: str = "silu") -> to
     out = torch.empty(rows, cols, dtype=x.dtype, device=x.device)
     if not rows or not cols or not depth:
         return out.zero_() if rows and cols else out
-    if not (_aligned(x) and _aligned(weight) and _aligned(out)) or not weight.is_contiguous():
+    if not tma_compatible(x, weight):
         raise ValueError("x, weight and the (T, I) output need 16-byte aligned rows and a "
                          "contiguous last dimension (TMA descriptors)")  # fmt: skip
     bm, bn, bk, stages, warps = LAUNCH[x.dtype]
@@ -162,7 +169,7 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor, act: str = "silu") -> to
         TensorDescriptor.from_tensor(x, [bm, bk]),
         TensorDescriptor.from_tensor(weight, [bn, bk]),
         TensorDescriptor.from_tensor(out, [bm, bn // 2]),
-        rows, 2 * cols, K=depth, ACT=ACTIVATIONS[act], PERSISTENT=persistent,
+        rows, 2 * cols, K=depth, ACT=GATE_ACTIVATIONS[act], PERSISTENT=persistent,
         NUM_PROGRAMS=programs if persistent else 1,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BM=bm, BN=bn, BK=bk, GROUP_M=8, STAGES=stages, num_warps=warps,
@@ -174,13 +181,10 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-_TORCH_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
-
-
 def gated_linear_reference(
     x: torch.Tensor, weight: torch.Tensor, act: str = "silu"
 ) -> torch.Tensor:
     """The torch ops ``gated_linear`` replaces: act(gate) * up of F.linear(x, weight), its
     interleaved columns split, each step rounded to x's dtype. Shapes as ``gated_linear``."""
     projected = F.linear(x, weight)
-    return _TORCH_ACTIVATIONS[act](projected[:, 0::2]) * projected[:, 1::2]
+    return TORCH_ACTIVATIONS[act](projected[:, 0::2]) * projected[:, 1::2]

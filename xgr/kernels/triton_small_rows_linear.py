@@ -28,7 +28,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from xgr.kernels.triton_elementwise import GELU_TANH, RELU, SILU, activation
+from xgr.kernels.triton_elementwise import (
+    GELU_TANH,
+    RELU,
+    SILU,
+    TORCH_ACTIVATIONS,
+    activation,
+)
 
 MAX_ROWS = 16
 # One row (a matrix-vector product in the FMA units, no tensor-core tile): 4-column blocks
@@ -199,13 +205,6 @@ def small_rows_linear(
     return out
 
 
-_TORCH_ACTIVATIONS = {
-    "relu": F.relu,
-    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
-    "silu": F.silu,
-}
-
-
 def small_rows_linear_reference(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -225,7 +224,7 @@ def small_rows_linear_reference(
     if gated:
         out, up = out[:, 0::2], out[:, 1::2]
     if activation is not None:
-        out = _TORCH_ACTIVATIONS[activation](out)
+        out = TORCH_ACTIVATIONS[activation](out)
     if up is not None:
         out = out * up
     return out if residual is None else residual + out

@@ -36,8 +36,9 @@ def gated_projection(
     """act(gate) * up of a gate/up projection whose rows interleave them (``fuse_gate_up``).
 
     On CUDA with ``kernel_act`` ("silu" or "gelu_tanh", the same function as ``act``):
-    from ``GATED_LINEAR_MIN_ROWS`` rows of a half dtype, one Triton GEMM with the activation
-    in its epilogue; otherwise cuBLAS and one elementwise pass. Elsewhere (or kernel_act
+    from ``GATED_LINEAR_MIN_ROWS`` rows of a half dtype, with no bias and the layouts its TMA
+    descriptors take (``tma_compatible``), one Triton GEMM with the activation in its
+    epilogue; otherwise cuBLAS and one elementwise pass. Elsewhere (or kernel_act
     None) the torch ops.
 
     Args:
@@ -52,32 +53,18 @@ def gated_projection(
     if kernel_act is None or not x.is_cuda or x.dim() != 2:
         projected = gate_up(x)
         return act(projected[..., 0::2]) * projected[..., 1::2]
-    if _fused_epilogue_fits(x, gate_up):
-        from xgr.kernels.triton_gated_linear import gated_linear
+    from xgr.kernels.triton_gated_linear import gated_linear, tma_compatible
 
+    if (
+        x.shape[0] >= GATED_LINEAR_MIN_ROWS
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and gate_up.bias is None
+        and tma_compatible(x, gate_up.weight)
+    ):
         return gated_linear(x, gate_up.weight, kernel_act)
     from xgr.kernels.triton_elementwise import gated_mul_interleaved
 
     return gated_mul_interleaved(gate_up(x), kernel_act)
-
-
-def _fused_epilogue_fits(x: torch.Tensor, gate_up: nn.Linear) -> bool:
-    """Whether ``gated_linear`` takes this call: enough rows, a half dtype, no bias, and the
-    16-byte alignments its TMA descriptors need (checked, not assumed)."""
-    weight = gate_up.weight
-    return (
-        x.shape[0] >= GATED_LINEAR_MIN_ROWS
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and gate_up.bias is None
-        and x.stride(-1) == 1
-        and x.stride(0) >= x.shape[1]
-        and (x.stride(0) * x.element_size()) % 16 == 0
-        and x.data_ptr() % 16 == 0
-        and weight.is_contiguous()
-        and weight.data_ptr() % 16 == 0
-        and (weight.shape[1] * weight.element_size()) % 16 == 0
-        and (weight.shape[0] // 2 * weight.element_size()) % 16 == 0
-    )
 
 
 class GatedMLP(nn.Module):
