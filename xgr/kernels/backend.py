@@ -1,7 +1,9 @@
-"""Which decode-attention implementation a device runs."""
+"""Which decode-attention implementation a device runs, and the device fact the kernels size
+their grids by (its multiprocessor count)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -35,3 +37,15 @@ def select_attention_backend(device: torch.device, head_dim: int) -> str:
         backend = "triton"
     logger.info("decode attention backend: %s (device %s)", backend, device)
     return backend
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (the current one for an index-less
+    ``cuda``), read from the driver once per device."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _multiprocessor_count(index)
+
+
+@functools.cache
+def _multiprocessor_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

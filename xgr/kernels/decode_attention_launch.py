@@ -3,10 +3,11 @@ its tile sizes and the split of a request's prompt over several programs."""
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
+
+from xgr.kernels.backend import multiprocessor_count
 
 
 @dataclass(frozen=True)
@@ -75,12 +76,6 @@ CROSS_ATTENTION_LAUNCH = LaunchConfig(block_n=64)
 MAX_SPLITS = 8
 
 
-@functools.cache
-def multiprocessor_count(device_index: int) -> int:
-    """Streaming multiprocessors of CUDA device ``device_index`` (read once)."""
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def choose_num_splits(programs: int, device: torch.device) -> int:
     """Split count for a grid of ``programs`` programs per split (row blocks x heads x requests).
 
@@ -107,9 +102,7 @@ def choose_num_splits(programs: int, device: torch.device) -> int:
     """
     if device.type != "cuda":
         return 1
-    sms = multiprocessor_count(
-        device.index if device.index is not None else torch.cuda.current_device()
-    )
+    sms = multiprocessor_count(device)
     if programs > sms:
         return 1
     return max(2, min(MAX_SPLITS, 2 * sms // programs))

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from xgr.kernels.backend import multiprocessor_count
 from xgr.kernels.triton_elementwise import GATE_ACTIVATIONS, TORCH_ACTIVATIONS, activation
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps) per dtype. Half types: on an H200 (bf16,
@@ -164,7 +165,7 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor, act: str = "silu") -> to
     bm, bn, bk, stages, warps = LAUNCH[x.dtype]
     tiles = triton.cdiv(rows, bm) * triton.cdiv(2 * cols, bn)
     persistent = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
-    programs = min(tiles, _num_sms(x.device)) if persistent else tiles
+    programs = min(tiles, multiprocessor_count(x.device)) if persistent else tiles
     _gated_linear_kernel[(programs,)](
         TensorDescriptor.from_tensor(x, [bm, bk]),
         TensorDescriptor.from_tensor(weight, [bn, bk]),
@@ -175,10 +176,6 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor, act: str = "silu") -> to
         BM=bm, BN=bn, BK=bk, GROUP_M=8, STAGES=stages, num_warps=warps,
     )  # fmt: skip
     return out
-
-
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def gated_linear_reference(

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from xgr.kernels.backend import multiprocessor_count
+
 BLOCK = 2048  # elements a program loads per iteration
 # Programs per streaming multiprocessor the split over columns aims for: enough to hide
 # memory latency when there are few rows (the first level's one row per request).
@@ -72,7 +74,7 @@ def _row_logsumexp_kernel(
 
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return multiprocessor_count(device)
     return 8  # the CPU interpreter: any small split exercises the merge
 
 
