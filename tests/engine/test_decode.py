@@ -67,6 +67,11 @@ def first_levels_engine(arch, folder, model_dirs, num_levels):
     return engine
 
 
+# (levels, beam width, top-k): every first-level code kept, top-k below the codebook, two
+# and four levels.
+FIRST_LEVEL_CASES = [(3, 40, 40), (3, 16, 5), (2, 20, 20), (4, 24, 8)]
+
+
 def assert_same_results(got, want):
     for got_one, want_one in zip(got, want, strict=True):
         assert [c for c, _ in got_one.semantic_ids] == [c for c, _ in want_one.semantic_ids]
@@ -76,9 +81,7 @@ def assert_same_results(got, want):
         torch.testing.assert_close(scores, expected, rtol=2e-6, atol=1e-5)
 
 
-@pytest.mark.parametrize(
-    ("num_levels", "beam_width", "top_k"), [(3, 40, 40), (3, 16, 5), (2, 20, 20), (4, 24, 8)]
-)
+@pytest.mark.parametrize(("num_levels", "beam_width", "top_k"), FIRST_LEVEL_CASES)
 def test_t5_first_levels_in_one_pass_give_the_results_step_by_step(
     tmp_path, model_dirs, monkeypatch, num_levels, beam_width, top_k
 ):
@@ -105,9 +108,7 @@ def test_t5_first_levels_in_one_pass_give_the_results_step_by_step(
     assert_same_results(got, want)
 
 
-@pytest.mark.parametrize(
-    ("num_levels", "beam_width", "top_k"), [(3, 40, 40), (3, 16, 5), (2, 20, 20), (4, 24, 8)]
-)
+@pytest.mark.parametrize(("num_levels", "beam_width", "top_k"), FIRST_LEVEL_CASES)
 def test_decoder_only_level_one_in_the_prefill_gives_the_results_step_by_step(
     tmp_path, model_dirs, monkeypatch, num_levels, beam_width, top_k
 ):

@@ -64,6 +64,17 @@ def _beam_self_attention_kernel(
     tl.store(OUT + out_off, out.to(OUT.dtype.element_ty), mask=ok)
 
 
+def _check_rows_and_beam(q, k_named, v_named, beam_k, beam_v) -> None:
+    """The launchers' shared checks: (name, tensor) k and v shaped as q, beam K and V of
+    one shape and layout. Raises ValueError naming the tensors."""
+    (k_name, k), (v_name, v) = k_named, v_named
+    if k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"q {tuple(q.shape)}, {k_name} {tuple(k.shape)}, {v_name} "
+                         f"{tuple(v.shape)} must match")  # fmt: skip
+    if beam_k.shape != beam_v.shape or beam_k.stride() != beam_v.stride():
+        raise ValueError("beam_k and beam_v must share one shape and layout")
+
+
 def beam_self_attention(
     q: torch.Tensor,
     k_new: torch.Tensor,
@@ -86,11 +97,7 @@ def beam_self_attention(
     """
     rows, num_heads, head_dim = q.shape
     capacity = beam_k.shape[1]
-    if k_new.shape != q.shape or v_new.shape != q.shape:
-        raise ValueError(f"q {tuple(q.shape)}, k_new {tuple(k_new.shape)}, v_new "
-                         f"{tuple(v_new.shape)} must match")  # fmt: skip
-    if beam_k.shape != beam_v.shape or beam_k.stride() != beam_v.stride():
-        raise ValueError("beam_k and beam_v must share one shape and layout")
+    _check_rows_and_beam(q, ("k_new", k_new), ("v_new", v_new), beam_k, beam_v)
     if beam_k.shape[2:] != (num_heads, head_dim) or not 0 <= slot < capacity:
         raise ValueError(f"beam K/V {tuple(beam_k.shape)} do not hold slot {slot} of "
                          f"{num_heads} heads x {head_dim}")  # fmt: skip
@@ -174,12 +181,9 @@ def start_and_codes_attention(
             dimension.
     """
     rows, num_heads, head_dim = q.shape
-    if k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must match")
+    _check_rows_and_beam(q, ("k", k), ("v", v), beam_k, beam_v)
     if rows_per_request < 1 or rows % rows_per_request:
         raise ValueError(f"{rows} rows are not requests of {rows_per_request} rows each")
-    if beam_k.shape != beam_v.shape or beam_k.stride() != beam_v.stride():
-        raise ValueError("beam_k and beam_v must share one shape and layout")
     if beam_k.shape[0] < rows or beam_k.shape[1] < 2 or beam_k.shape[2:] != (num_heads, head_dim):
         raise ValueError(f"beam K/V {tuple(beam_k.shape)} do not hold slots 0-1 of {rows} "
                          f"rows of {num_heads} heads x {head_dim}")  # fmt: skip
