@@ -76,10 +76,14 @@ class DecodeSpec:
             first_codes, first_nodes,
         )  # fmt: skip
 
-    def log_probs(self, hidden: torch.Tensor, level: int) -> torch.Tensor:
-        """(N, hidden) -> (N, codebook_size) float32 log-probabilities of the level's codes."""
+    def log_probs(
+        self, hidden: torch.Tensor, level: int, partials: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """(N, hidden) -> (N, codebook_size) float32 log-probabilities of the level's codes
+        (``partials``: as ``code_log_probs``'s)."""
         full = self.model.lm_head.weight if self.full_vocab else None
-        return code_log_probs(hidden, self.level_weights[level], full, self.code_mask[level])
+        weight, mask = self.level_weights[level], self.code_mask[level]
+        return code_log_probs(hidden, weight, full, mask, partials)
 
     def log_probs_of_levels(self, rows: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
         """``log_probs`` of several (hidden, level) row sets; on CUDA the full-vocabulary
@@ -93,8 +97,6 @@ class DecodeSpec:
         partials = full_vocab_partials(torch.cat([hidden for hidden, _ in rows]), full)
         out, start = [], 0
         for hidden, level in rows:
-            part = partials[start : start + hidden.shape[0]]
-            weight, mask = self.level_weights[level], self.code_mask[level]
-            out.append(code_log_probs(hidden, weight, full, mask, part))
+            out.append(self.log_probs(hidden, level, partials[start : start + hidden.shape[0]]))
             start += hidden.shape[0]
         return out
