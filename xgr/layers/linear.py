@@ -34,7 +34,7 @@ def concat_linears(*linears: nn.Linear, interleave: bool = False) -> nn.Linear:
         )
 
     def join(tensors: list[torch.Tensor]) -> torch.Tensor:
-        return torch.stack(tensors, dim=1).flatten(0, 1) if interleave else torch.cat(tensors)
+        return _interleave_rows(tensors) if interleave else torch.cat(tensors)
 
     # Built on the meta device: a real one would draw its random initialization from the
     # default generator (wasted work, and it moves the generator's state under the caller).
@@ -62,8 +62,13 @@ def interleave_gate_up(weight: torch.Tensor) -> torch.Tensor:
     """
     if weight.dim() not in (1, 2) or weight.shape[0] % 2:
         raise ValueError(f"need (2 I, K) or (2 I,) gate-then-up rows, got {tuple(weight.shape)}")
-    gate, up = weight.chunk(2, dim=0)
-    return torch.stack([gate, up], dim=1).reshape(weight.shape)
+    return _interleave_rows(weight.chunk(2, dim=0))
+
+
+def _interleave_rows(tensors) -> torch.Tensor:
+    """Equally shaped tensors' rows taken in turn: row 0 of each, then row 1 of each, ...
+    (the one definition of the interleaved layout, for weights, biases and fused linears)."""
+    return torch.stack(tensors, dim=1).flatten(0, 1)
 
 
 def fuse_gate_up(gate: nn.Linear, up: nn.Linear) -> nn.Linear:
