@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from xgr.core import XgrError
+from xgr.models.rope_config import rope_theta_from_hf
 
 # model_type -> whether q/k/v projections carry a bias by default, and whether q/k are RMS-normed.
 _ARCHITECTURES = {
@@ -23,16 +25,39 @@ T5_FEED_FORWARD = {"relu": (False, "relu"), "gated-gelu": (True, "gelu_new")}
 # encoder's (heads, P, P) attention bias grows with the square of the prompt.
 T5_DEFAULT_MAX_PROMPT_TOKENS = 4096
 
+# Upper bounds of config.json's sizes, checked before anything is built. No checkpoint comes
+# near them (vocabularies reach ~2^18 rows, hidden and feed-forward sizes ~2^16, the deepest
+# Llama or Qwen has 126 layers); they turn a mistyped value into a clear error instead of
+# minutes spent creating a module per layer, or a weight whose element count overflows int64.
+MAX_SIZE = 2**24
+MAX_LAYERS = 1024
+# Positions (decoder max_position_embeddings, T5 n_positions): 2^20 covers the longest
+# contexts of served checkpoints (Qwen2.5-1M: 1,010,000); beyond it float32 rotary angles
+# (position x frequency, as transformers computes them too) are rounded by up to 1/16 rad
+# and more, and T5's (heads, P, P) bias of one such prompt would fit no device.
+MAX_POSITIONS = 2**20
+# RoPE tables are computed in float32: a base frequency beyond its range becomes inf.
+_FLOAT32_MAX = 3.4028234663852886e38
+_DEFAULT_ROPE_THETA = 10000.0
+
 
 _MISSING = object()
 
 
-def _size(raw: dict[str, Any], key: str, default: Any = _MISSING, minimum: int = 1) -> int:
-    """config.json's ``key`` as an integer >= ``minimum`` (``default`` when absent or null).
+def _size(
+    raw: dict[str, Any],
+    key: str,
+    default: Any = _MISSING,
+    minimum: int = 1,
+    maximum: int = MAX_SIZE,
+) -> int:
+    """config.json's ``key`` as an integer in [``minimum``, ``maximum``] (``default`` when
+    absent or null).
 
     Raises:
         KeyError: absent with no default. XgrError: not an integer (a float, bool or string
-            would otherwise be truncated or coerced silently) or below ``minimum``.
+            would otherwise be truncated or coerced silently), below ``minimum`` or above
+            ``maximum``.
     """
     value = raw.get(key)
     if value is None:
@@ -41,7 +66,24 @@ def _size(raw: dict[str, Any], key: str, default: Any = _MISSING, minimum: int =
         return default
     if type(value) is not int or value < minimum:
         raise XgrError(f"{key} must be an integer >= {minimum}, got {value!r}")
+    if value > maximum:
+        raise XgrError(f"{key} {value} is above the largest supported, {maximum}")
     return value
+
+
+def _epsilon(raw: dict[str, Any], key: str, default: float) -> float:
+    """config.json's ``key`` (a norm's epsilon) as a finite number >= 0.
+
+    Raises:
+        XgrError: not a JSON number (a string or bool), negative, infinite or NaN (each
+            would turn every normed activation into NaN).
+    """
+    value = raw.get(key)
+    if value is None:
+        return default
+    if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
+        raise XgrError(f"{key} must be a finite number >= 0, got {value!r}")
+    return float(value)
 
 
 def _flag(raw: dict[str, Any], key: str, default: bool) -> bool:
@@ -100,7 +142,11 @@ class DecoderConfig:
         """Read a Hugging Face config dict.
 
         Raises:
-            XgrError: unsupported architecture, RoPE scaling, sliding window or activation.
+            XgrError: unsupported architecture, RoPE scaling, sliding window or activation;
+                conflicting RoPE settings (``xgr.models.rope_config``); sizes that are not
+                integers or out of range (``MAX_SIZE``, ``MAX_LAYERS``, ``MAX_POSITIONS``);
+                heads that do not divide the hidden size (without head_dim) or each other;
+                an odd head_dim.
         """
         model_type = raw.get("model_type")
         if model_type not in _ARCHITECTURES:
@@ -109,11 +155,7 @@ class DecoderConfig:
                 f"{sorted([*_ARCHITECTURES, T5_MODEL_TYPE])}"
             )
         defaults = _ARCHITECTURES[model_type]
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise XgrError(f"RoPE type {rope_type!r} is not supported (only 'default')")
-        rope_theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
+        rope_theta = rope_theta_from_hf(raw, _DEFAULT_ROPE_THETA, _FLOAT32_MAX)
         if raw.get("use_sliding_window"):
             raise XgrError("sliding-window attention is not supported")
         act = raw.get("hidden_act", "silu")
@@ -124,21 +166,34 @@ class DecoderConfig:
         num_heads = _size(raw, "num_attention_heads")
         num_kv_heads = _size(raw, "num_key_value_heads", num_heads)
         if num_heads % num_kv_heads:
-            raise XgrError(f"num_attention_heads {num_heads} not a multiple of {num_kv_heads}")
+            raise XgrError(
+                f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads "
+                f"{num_kv_heads} (each KV head serves a whole group of query heads)"
+            )
         hidden_size = _size(raw, "hidden_size")
+        if raw.get("head_dim") is None and hidden_size % num_heads:
+            raise XgrError(
+                f"hidden_size {hidden_size} is not a multiple of num_attention_heads "
+                f"{num_heads}, and config.json gives no head_dim"
+            )
+        head_dim = _size(raw, "head_dim", hidden_size // num_heads)
+        if head_dim % 2:  # RoPE rotates the two halves of each head against each other
+            raise XgrError(f"head_dim {head_dim} must be even for rotary position embeddings")
         attention_bias = _flag(raw, "attention_bias", defaults["attention_bias"])
         return cls(
             model_type=model_type,
             vocab_size=_size(raw, "vocab_size"),
             hidden_size=hidden_size,
             intermediate_size=_size(raw, "intermediate_size"),
-            num_layers=_size(raw, "num_hidden_layers"),
+            num_layers=_size(raw, "num_hidden_layers", maximum=MAX_LAYERS),
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
-            head_dim=_size(raw, "head_dim", hidden_size // num_heads),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
-            max_position_embeddings=_size(raw, "max_position_embeddings", 32768),
+            head_dim=head_dim,
+            rms_norm_eps=_epsilon(raw, "rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            max_position_embeddings=_size(
+                raw, "max_position_embeddings", 32768, maximum=MAX_POSITIONS
+            ),
             attention_bias=attention_bias,
             # Qwen2 always biases q/k/v only; Qwen3 and Llama use attention_bias for o_proj too.
             o_proj_bias=attention_bias and model_type != "qwen2",
@@ -200,7 +255,8 @@ class T5Config:
 
         Raises:
             XgrError: another model_type, an unsupported feed_forward_proj, no
-                decoder_start_token_id, or sizes out of range.
+                decoder_start_token_id, or sizes out of range (``MAX_SIZE``, ``MAX_LAYERS``,
+                ``MAX_POSITIONS``).
         """
         if raw.get("model_type") != T5_MODEL_TYPE:
             raise XgrError(f"not a T5 config: model_type {raw.get('model_type')!r}")
@@ -220,7 +276,7 @@ class T5Config:
                 f"T5 decoder_start_token_id {start!r} is missing or outside the vocabulary "
                 f"of {vocab_size}"
             )
-        num_layers = _size(raw, "num_layers", 6)
+        num_layers = _size(raw, "num_layers", 6, maximum=MAX_LAYERS)
         buckets = _size(raw, "relative_attention_num_buckets", 32)
         max_distance = _size(raw, "relative_attention_max_distance", 128)
         # Each direction needs an exact bucket, and the log-spaced buckets a range to span:
@@ -230,18 +286,18 @@ class T5Config:
                 f"T5 relative_attention_num_buckets {buckets} and max_distance {max_distance} "
                 "are out of range (need buckets >= 4 and max_distance > buckets // 2)"
             )
-        max_prompt = _size(raw, "n_positions", T5_DEFAULT_MAX_PROMPT_TOKENS)
+        max_prompt = _size(raw, "n_positions", T5_DEFAULT_MAX_PROMPT_TOKENS, maximum=MAX_POSITIONS)
         return cls(
             vocab_size=vocab_size,
             d_model=_size(raw, "d_model", 512),
             d_kv=_size(raw, "d_kv", 64),
             d_ff=_size(raw, "d_ff", 2048),
             num_layers=num_layers,
-            num_decoder_layers=_size(raw, "num_decoder_layers", num_layers),
+            num_decoder_layers=_size(raw, "num_decoder_layers", num_layers, maximum=MAX_LAYERS),
             num_heads=_size(raw, "num_heads", 8),
             relative_attention_num_buckets=buckets,
             relative_attention_max_distance=max_distance,
-            layer_norm_epsilon=float(raw.get("layer_norm_epsilon", 1e-6)),
+            layer_norm_epsilon=_epsilon(raw, "layer_norm_epsilon", 1e-6),
             is_gated_act=gated,
             dense_act_fn=act,
             scale_decoder_outputs=scale,

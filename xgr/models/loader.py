@@ -4,13 +4,14 @@ T5-family encoder-decoders."""
 from __future__ import annotations
 
 import logging
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import torch
 from safetensors.torch import load_file
 
 from xgr.core import XgrError, read_json
 from xgr.models.config import T5_MODEL_TYPE, DecoderConfig, T5Config
+from xgr.models.config_checks import check_weight_shapes, read_weight_shapes
 from xgr.models.decoder import CausalLM
 from xgr.models.t5 import T5Seq2SeqLM
 
@@ -59,18 +60,69 @@ def read_config(model_dir: str | Path) -> tuple[DecoderConfig | T5Config, dict]:
         raise XgrError(f"{path} has a value of the wrong type or range: {exc}") from exc
 
 
-def read_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of a single-file or sharded safetensors checkpoint. Raises XgrError."""
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a folder: ``model.safetensors``, else the shards its
+    ``model.safetensors.index.json`` names.
+
+    Every shard must be a relative name inside the folder (no absolute path, no ``..``, its
+    folder resolving inside the model folder) naming an existing regular file; nothing else
+    is opened, so an index cannot make the loader read files outside the folder.
+
+    Raises:
+        XgrError: neither file; an unreadable index or one without a ``weight_map`` object;
+            a shard entry that is not a string, leaves the folder or names no file (the
+            message names the entry).
+    """
     model_dir = Path(model_dir)
     if (model_dir / _SINGLE_FILE).exists():
-        return load_file(model_dir / _SINGLE_FILE)
+        return [model_dir / _SINGLE_FILE]
     index = model_dir / _SHARD_INDEX
     if not index.exists():
         raise XgrError(f"{model_dir} has neither {_SINGLE_FILE} nor {_SHARD_INDEX}")
-    shards = sorted(set(read_json(index)["weight_map"].values()))
+    try:
+        weight_map = read_json(index).get("weight_map")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise XgrError(f"cannot read {index}: {exc}") from exc
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise XgrError(f"{index} has no weight_map object of tensor name -> shard file")
+    root = model_dir.resolve()
+    shards: dict[str, Path] = {}
+    for tensor, shard in weight_map.items():
+        if not isinstance(shard, str) or shard not in shards:  # a list is not hashable
+            shards[shard] = _shard_path(model_dir, root, index, tensor, shard)
+    return [shards[name] for name in sorted(shards)]
+
+
+def _shard_path(model_dir: Path, root: Path, index: Path, tensor: str, shard) -> Path:
+    """``model_dir / shard`` once ``shard`` is checked (``checkpoint_files``). Raises XgrError."""
+    entry = f"{index}: the shard of {tensor!r}, {shard!r},"
+    if not isinstance(shard, str) or not shard.strip() or "\x00" in shard:
+        raise XgrError(f"{entry} is not a file name")
+    relative = PurePosixPath(shard)
+    if relative.is_absolute() or PureWindowsPath(shard).drive or ".." in relative.parts:
+        raise XgrError(f"{entry} is not a relative name inside {model_dir}; refused")
+    if "\\" in shard:  # a Windows separator: on POSIX a strange name, on Windows a way out
+        raise XgrError(f"{entry} has a backslash; shard names are plain relative names")
+    path = model_dir / relative
+    # The shard's folder must resolve inside; the shard itself may be a symbolic link, as
+    # every file of a Hugging Face hub cache snapshot is (to ../../blobs), model.safetensors
+    # and config.json included.
+    if not path.parent.resolve().is_relative_to(root):
+        raise XgrError(f"{entry} resolves outside {model_dir}; refused")
+    if not path.is_file():
+        raise XgrError(f"{entry} does not exist in {model_dir}")
+    return path
+
+
+def read_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a single-file or sharded safetensors checkpoint (``checkpoint_files``).
+
+    Raises:
+        XgrError: as ``checkpoint_files``.
+    """
     state: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        state.update(load_file(model_dir / shard))
+    for path in checkpoint_files(model_dir):
+        state.update(load_file(path))
     return state
 
 
@@ -94,12 +146,14 @@ def load_causal_lm(
     """Build a ``CausalLM`` from a HF folder with its weights in ``dtype`` on ``device``.
 
     Raises:
-        XgrError: unreadable config, unsupported architecture, missing or unexpected weights.
+        XgrError: unreadable config, unsupported architecture, shards outside the folder
+            (``checkpoint_files``), a config that disagrees with the weights' headers
+            (``check_weight_shapes``), missing or unexpected weights.
     """
     cfg, _ = read_config(model_dir)
     if not isinstance(cfg, DecoderConfig):
         raise XgrError(f"{model_dir} holds a {cfg.model_type} model, not a decoder-only LM")
-    state = _read_weights(model_dir, dtype, device)
+    state = _read_weights(cfg, model_dir, dtype, device)
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
     if "lm_head.weight" not in state:
         if not cfg.tie_word_embeddings:
@@ -123,12 +177,13 @@ def load_t5(
     (as transformers 5 loads T5: it always ties, unless the file holds a different head).
 
     Raises:
-        XgrError: unreadable or unsupported config, missing or unexpected weights.
+        XgrError: unreadable or unsupported config, shards outside the folder, a config that
+            disagrees with the weights' headers, missing or unexpected weights.
     """
     cfg, _ = read_config(model_dir)
     if not isinstance(cfg, T5Config):
         raise XgrError(f"{model_dir} holds a {cfg.model_type} model, not a T5 model")
-    state = _read_weights(model_dir, dtype, device)
+    state = _read_weights(cfg, model_dir, dtype, device)
     for name in _T5_UNUSED_WEIGHTS:
         state.pop(name, None)
     if "lm_head.weight" not in state and "shared.weight" in state:
@@ -144,13 +199,17 @@ def load_t5(
 
 
 def _read_weights(
-    model_dir: str | Path, dtype: str | torch.dtype, device: str | torch.device
+    cfg, model_dir: str | Path, dtype: str | torch.dtype, device: str | torch.device
 ) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors in ``dtype`` on ``device``, once its headers match ``cfg``
+    (``check_weight_shapes``): a config that disagrees fails before any data is read."""
     torch_dtype = resolve_dtype(dtype)
-    return {
-        name: tensor.to(dtype=torch_dtype, device=device)
-        for name, tensor in read_state_dict(model_dir).items()
-    }
+    files = checkpoint_files(model_dir)
+    check_weight_shapes(cfg, read_weight_shapes(files), model_dir)
+    state: dict[str, torch.Tensor] = {}
+    for path in files:
+        state.update(load_file(path))
+    return {name: tensor.to(dtype=torch_dtype, device=device) for name, tensor in state.items()}
 
 
 def _build(model_cls, cfg, state: dict[str, torch.Tensor], model_dir) -> torch.nn.Module:
