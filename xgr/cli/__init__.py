@@ -216,15 +216,57 @@ def evaluate(source, k, beam_width, max_users, output) -> None:
     help="On a GPU, capture before listening the CUDA graphs that batches of prompts of about "
     "this many tokens (+-20%) need at the default beam width (0: capture on first use).",
 )
-def serve(source, host, port, warm_up_tokens, **limits) -> None:
+@click.option(
+    "--header-timeout",
+    type=float,
+    default=10.0,
+    show_default=True,
+    help="Seconds a connection has to send a request's complete headers (from opening, or "
+    "from the request's first byte when kept alive); then it is closed.",
+)
+@click.option(
+    "--body-timeout",
+    type=float,
+    default=10.0,
+    show_default=True,
+    help="Seconds a request's body has to arrive after its headers; then 408.",
+)
+@click.option(
+    "--keep-alive-timeout",
+    type=float,
+    default=5.0,
+    show_default=True,
+    help="Seconds an idle kept-alive connection stays open.",
+)
+@click.option(
+    "--max-connections",
+    type=click.IntRange(1),
+    default=8192,
+    show_default=True,
+    help="Connections open at once. One more closes the connection idle longest (between "
+    "requests, or still sending headers), or when every one has a request in progress is "
+    "answered 503 and closed. Lowered to what the file-descriptor limit allows (raised at "
+    "start to its hard limit).",
+)
+def serve(
+    source,
+    host,
+    port,
+    warm_up_tokens,
+    header_timeout,
+    body_timeout,
+    keep_alive_timeout,
+    max_connections,
+    **limits,
+) -> None:
     """Serve the HTTP API: recommend, completions, models, health, ready, metrics."""
-    import uvicorn
-
     from xgr.server.app import create_app
     from xgr.server.config import ServerConfig
+    from xgr.server.http import HttpConfig, run_server
 
     try:
         config = ServerConfig(**limits)  # the options are named as its fields
+        http_config = HttpConfig(header_timeout, body_timeout, keep_alive_timeout, max_connections)
     except XgrError as exc:
         fail(exc)
     try:  # before the model loads: uvicorn would say only "Name or service not known"
@@ -238,7 +280,7 @@ def serve(source, host, port, warm_up_tokens, **limits) -> None:
             engine.warm_up(warm_up_tokens, beam, beam, config.max_batch_size)
         except XgrError as exc:
             fail(exc)
-    uvicorn.run(create_app(engine, config), host=host, port=port)
+    run_server(create_app(engine, config), host, port, http_config)
 
 
 # The bench group registers itself on ``main``.

@@ -25,7 +25,12 @@ from xgr.engine.cuda_graph import CudaGraphs
 from xgr.engine.decode import runs_first_levels_together
 from xgr.engine.generate import launch_semantic_ids
 from xgr.engine.model_folder import load_engine
-from xgr.engine.prompt import PromptFormat, integer_tokens, refuse_unknown_pieces
+from xgr.engine.prompt import (
+    PromptFormat,
+    integer_tokens,
+    refuse_unencodable_text,
+    refuse_unknown_pieces,
+)
 from xgr.engine.results import PendingRecommendation, excluded_items, search_params
 from xgr.engine.spec import DecodeSpec
 from xgr.engine.streams import CaptureGate, exclusive_stream
@@ -221,6 +226,7 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise XgrError("string prompts need a tokenizer in the model folder")
+            refuse_unencodable_text(prompt)
             encoding = self.tokenizer.encode(prompt, add_special_tokens=False)
             refuse_unknown_pieces(self.tokenizer, prompt, encoding)
             tokens = np.array(encoding.ids, dtype=np.int64)

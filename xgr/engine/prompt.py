@@ -188,6 +188,18 @@ def _integer_items(items: list | tuple, refusal: str) -> np.ndarray:
         raise XgrError(refusal) from exc
 
 
+def refuse_unencodable_text(prompt: str) -> None:
+    """Raise XgrError when ``prompt`` holds a lone surrogate (JSON's ``"\\ud800"`` escape
+    decodes to one): no UTF-8 text has it, and the tokenizer refuses it with a TypeError."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise XgrError(
+            f"invalid text: {prompt[exc.start]!r} at character {exc.start} of the prompt is a "
+            "lone surrogate, which UTF-8 cannot encode"
+        ) from None
+
+
 def refuse_unknown_pieces(tokenizer: Any, prompt: str, encoding: Any) -> None:
     """Raise XgrError naming the first piece of ``prompt`` that the tokenizer could only map
     to its unknown token (a typo such as ``<a_14 >`` would otherwise run as ``<unk>`` and

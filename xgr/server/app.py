@@ -153,6 +153,16 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             error += ": send JSON with content-type application/json"
         return JSONResponse(status_code=422, content={"error": error, "detail": detail})
 
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        # Starlette sends this answer and then re-raises, so the server logs the traceback
+        # and closes the connection (uvicorn does): the header tells the client beforehand.
+        return JSONResponse(
+            status_code=500,
+            content={"error": f"internal error: {type(exc).__name__}"},
+            headers={"Connection": "close"},
+        )
+
     def check_search(beam_width: int, top_k: int, num_results: int) -> None:
         """Refuse before queueing, so one bad request never fails a shared batch."""
         if beam_width > config.max_beam_width:
