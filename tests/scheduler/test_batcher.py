@@ -6,6 +6,7 @@ import asyncio
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from xgr.core import RecommendResult, XgrError
@@ -14,6 +15,7 @@ from xgr.scheduler import (
     QueuedRequest,
     QueueFullError,
     RequestBatcher,
+    SchedulerFailedError,
     ServingMetrics,
     ShuttingDownError,
 )
@@ -557,11 +559,12 @@ class PipelinedEngine:
         self.free_at = 0.0
         self.batches: list[list[int]] = []  # first token of each prompt, per launch
         self.in_flight = self.most_in_flight = 0
+        self.seconds_of = lambda prompts: self.seconds  # a batch's run time (s)
 
     def recommend_async(self, prompts, beam_width, top_k, num_results, exclude_item_ids):
         with self.lock:
             now = time.perf_counter()
-            end = (now if self.side_by_side else max(now, self.free_at)) + self.seconds
+            end = (now if self.side_by_side else max(now, self.free_at)) + self.seconds_of(prompts)
             self.free_at = end
             self.batches.append([p[0] for p in prompts])
             self.in_flight += 1
@@ -634,3 +637,101 @@ def test_batches_finishing_together_on_several_streams_keep_their_measured_time(
     batcher = asyncio.run(scenario())
     assert len(batcher.latency.rates) >= 4
     assert batcher.latency.predict(22) >= 0.09  # two requests of 11 scheduled tokens
+
+
+def numpy_request(i: int, deadline: float | None = None) -> QueuedRequest:
+    # Same length and values but the first token: field-by-field equality of two such
+    # requests would compare arrays, whose truth value is ambiguous.
+    prompt = np.array([i, 1, 2, 3], dtype=np.int64)
+    return QueuedRequest(prompt, 8, 8, 3, deadline=deadline)
+
+
+def test_numpy_prompts_with_two_batches_in_flight_and_cancellations_keep_serving():
+    # Side by side with unequal run times, a later batch often finishes first; clients go away
+    # while their requests wait and while their batches run.
+    engine = PipelinedEngine(seconds=0.004, side_by_side=True)
+    engine.seconds_of = lambda prompts: 0.002 * (1 + int(prompts[0][0]) % 3)
+
+    async def scenario():
+        batcher = RequestBatcher(engine, max_batch_size=4, max_inflight=2)
+        batcher.start()
+        requests = [numpy_request(i % 7) for i in range(120)]
+        tasks = []
+        for i, r in enumerate(requests):
+            tasks.append(asyncio.ensure_future(batcher.submit(r)))
+            if i % 10 == 9:
+                await asyncio.sleep(0.003)  # admitted; some waiting, some running
+                for j in (i - 9, i - 4, i - 1):
+                    tasks[j].cancel()
+        # Bounded: a lane never released would leave the rest waiting for good.
+        answers = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 20)
+        # The scheduler still serves: every lane was released.
+        after = await asyncio.wait_for(
+            run_concurrently(batcher, [numpy_request(i) for i in range(10)]), 20
+        )
+        healthy, waiting = batcher.healthy, batcher.waiting
+        await batcher.stop()
+        return answers, after, healthy, waiting, batcher
+
+    answers, after, healthy, waiting, batcher = asyncio.run(scenario())
+    cancelled = [a for a in answers if isinstance(a, asyncio.CancelledError)]
+    served = [a for a in answers if not isinstance(a, BaseException)]
+    # A request answered before its cancellation counts as served.
+    assert len(cancelled) + len(served) == 120 and len(cancelled) >= 24
+    assert all(a.result.prompt_tokens == 4 for a in served)
+    assert [a.result.prompt_tokens for a in after] == [4] * 10
+    assert healthy and waiting == 0 and not batcher._batches
+    assert engine.most_in_flight == 2
+
+
+def test_a_failing_scheduling_loop_answers_the_waiting_and_says_so(monkeypatch):
+    engine = RecordingEngine()
+
+    async def scenario():
+        batcher = held_batcher(engine)
+        first = asyncio.ensure_future(batcher.submit(request(0)))
+        await asyncio.sleep(0.02)  # running, held
+        waiting = [asyncio.ensure_future(batcher.submit(request(i))) for i in range(1, 4)]
+        await asyncio.sleep(0.02)
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("bookkeeping fault")
+
+        monkeypatch.setattr(batcher, "_next_batch", broken)
+        engine.release.set()
+        outcomes = await asyncio.gather(*waiting, return_exceptions=True)
+        await first
+        with pytest.raises(SchedulerFailedError, match="bookkeeping fault"):
+            await batcher.submit(request(9))
+        healthy, failure = batcher.healthy, batcher.failure
+        await batcher.stop()
+        return outcomes, healthy, failure
+
+    outcomes, healthy, failure = asyncio.run(scenario())
+    assert all(isinstance(o, SchedulerFailedError) for o in outcomes)
+    assert "RuntimeError: bookkeeping fault" in str(outcomes[0])
+    assert not healthy and "bookkeeping fault" in failure
+
+
+def test_a_group_larger_than_a_batch_lets_later_requests_in_between_its_batches():
+    engine = RecordingEngine()
+
+    async def scenario():
+        batcher = held_batcher(engine, max_batch_size=4)
+        first = asyncio.ensure_future(batcher.submit(request(0)))
+        await asyncio.sleep(0.02)  # running, held
+        group = asyncio.ensure_future(batcher.submit_all([request(i) for i in range(10, 22)]))
+        await asyncio.sleep(0.01)
+        small = asyncio.ensure_future(batcher.submit(request(99)))
+        await asyncio.sleep(0.01)
+        engine.release.set()
+        await asyncio.gather(first, group, small)
+        await batcher.stop()
+
+    asyncio.run(scenario())
+    firsts = [[p[0] for p in call[0]] for call in engine.calls]
+    # The group's first share, then the request that came after it, before the group's rest.
+    assert firsts[:2] == [[0], [10, 11, 12, 13]]
+    assert 99 in firsts[2] and 14 in firsts[2]
+    assert sorted(t for f in firsts for t in f) == [0, *range(10, 22), 99]
+    assert len(firsts) == 5

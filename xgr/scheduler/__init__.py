@@ -8,6 +8,7 @@ from xgr.scheduler.requests import (
     LatencyModel,
     QueuedRequest,
     QueueFullError,
+    SchedulerFailedError,
     ShuttingDownError,
     http_status,
 )
@@ -19,6 +20,7 @@ __all__ = [
     "QueueFullError",
     "QueuedRequest",
     "RequestBatcher",
+    "SchedulerFailedError",
     "ServingMetrics",
     "ShuttingDownError",
     "http_status",

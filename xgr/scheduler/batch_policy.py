@@ -29,6 +29,37 @@ def refuse_late(request: QueuedRequest, now: float) -> None:
     )
 
 
+def queue_orders(
+    costs: list[int],
+    round_now: int,
+    first_number: int,
+    max_batch_size: int,
+    max_batch_tokens: int,
+) -> list[tuple[int, int]]:
+    """The queue places of requests admitted together, as (round, arrival number).
+
+    Batches are formed from the queue sorted by these places. A lone request joins the
+    current round (``round_now``, the number of batches formed so far). A group (the prompts
+    of one completion) takes one batch's share per round - at most ``max_batch_size``
+    requests and ``max_batch_tokens`` scheduled tokens - so the later parts of a group larger
+    than a batch wait behind requests that arrive meanwhile, one batch each round, instead of
+    holding them for the whole group (start-time fair queueing with one batch as the
+    quantum; Goyal, Vin and Cheng, SIGCOMM 1996).
+
+    Args:
+        costs: each request's scheduled tokens, in the group's order.
+        round_now: batches formed so far.
+        first_number: the arrival number of the first request (later ones count up).
+        max_batch_size, max_batch_tokens: the batch limits.
+    """
+    orders, tokens = [], 0
+    for i, cost in enumerate(costs):
+        share = max(i // max_batch_size, tokens // max_batch_tokens)
+        orders.append((round_now + share, first_number + i))
+        tokens += cost
+    return orders
+
+
 def form_batch(
     queue: list[QueuedRequest],
     cost: Callable[[QueuedRequest], int],
@@ -40,8 +71,8 @@ def form_batch(
 ) -> tuple[list[QueuedRequest], int]:
     """The next batch of a non-empty queue (``xgr.scheduler.batcher``'s module docstring).
 
-    The oldest request and, in order, the later ones with its beam width and top-k, within
-    ``max_batch_size`` requests and ``max_batch_tokens`` scheduled tokens (a younger request
+    The first request and, in queue order, the later ones with its beam width and top-k, within
+    ``max_batch_size`` requests and ``max_batch_tokens`` scheduled tokens (a later request
     never jumps one that does not fit); then the newest leave it while its predicted run,
     starting at ``start`` (perf_counter s), would miss its earliest deadline or exceed
     ``max_batch_ms``, down to one request.
@@ -57,7 +88,7 @@ def form_batch(
         if (request.beam_width, request.top_k) != key:
             continue
         if batch and tokens + cost(request) > max_batch_tokens:
-            break  # first in, first served: no younger request jumps ahead
+            break  # first in, first served: no later request jumps ahead
         batch.append(request)
         tokens += cost(request)
     while len(batch) > 1:

@@ -1,7 +1,9 @@
 """The request scheduler: fixed-step batches formed by token budget, size and deadlines.
 
-Requests wait in arrival order. When the engine is free, the next batch takes the oldest
-request and, in arrival order, the waiting requests with the same beam width and top-k, while
+Requests wait in arrival order, except that the prompts of one completion larger than a batch
+take one batch's share per round (``batch_policy.queue_orders``), so requests arriving meanwhile
+are not held for all of it. When the engine is free, the next batch takes the first request
+and, in queue order, the waiting requests with the same beam width and top-k, while
 
 - the batch has at most ``max_batch_size`` requests,
 - its scheduled tokens (prompt tokens + beam width x levels per request) fit
@@ -20,19 +22,26 @@ impossible. Work is refused before it is spent: at admission when the requests a
 would take past the deadline, and in the queue once the deadline has passed. The queue is
 bounded (``QueueFullError``, answered 429 with Retry-After); a request whose client went away
 is dropped before its batch starts; ``stop(drain=True)`` finishes every admitted request
-before the loop ends. A failing engine call fails its own requests, never the loop.
+before the loop ends. A failing engine call fails its own requests, never the loop; should the
+loop itself fail, ``failure`` says why, every waiting request is answered with
+``SchedulerFailedError`` and no new one is admitted.
+
+Requests and batches are tracked by identity (a request's prompt may be a NumPy array, for which
+equality has no truth value), and a finished batch releases its engine lane before anything
+else is done.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import statistics
 import time
 from typing import Any
 
 from xgr.core import XgrError, positive_int
-from xgr.scheduler.batch_policy import form_batch, live_requests, refuse_late
+from xgr.scheduler.batch_policy import form_batch, live_requests, queue_orders, refuse_late
 from xgr.scheduler.metrics import ServingMetrics
 from xgr.scheduler.requests import (
     Answer,
@@ -40,6 +49,7 @@ from xgr.scheduler.requests import (
     LatencyModel,
     QueuedRequest,
     QueueFullError,
+    SchedulerFailedError,
     ShuttingDownError,
     answer_requests,
     check_max_batch_ms,
@@ -51,6 +61,8 @@ LAUNCH_LEAD_FACTOR = 2.0
 LAUNCH_LEAD_MARGIN = 0.002
 LAUNCH_WINDOW = 16  # recent launches whose median is the launch time
 DEFAULT_LAUNCH_SECONDS = 0.003
+
+logger = logging.getLogger(__name__)
 
 
 class RequestBatcher:
@@ -100,13 +112,19 @@ class RequestBatcher:
         catalog = getattr(engine, "catalog", None)
         self.levels = catalog.num_levels if catalog is not None else 1
         self.latency = LatencyModel()
-        self._waiting: list[QueuedRequest] = []
+        # Waiting requests by id (insertion order: admission order), their scheduled tokens,
+        # and the queue places handed out so far (batches formed, requests admitted).
+        self._waiting: dict[int, QueuedRequest] = {}
+        self._waiting_tokens = 0
+        self._rounds = 0
+        self._admitted = 0
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
-        self._batches: list[list[QueuedRequest]] = []  # taken from the queue, running
+        self._batches: dict[int, list[QueuedRequest]] = {}  # id(batch) -> a running batch
         self._runs: set[asyncio.Task] = set()
         self._slots: asyncio.Semaphore | None = None
         self._closing = False
+        self.failure: str | None = None  # why the scheduling loop stopped, if it failed
         # Pipelining (max_inflight > 1): when the launched batches are predicted to leave the
         # device, how long launching a batch takes the host, when the last batch finished,
         # and an event set whenever a batch finishes.
@@ -120,6 +138,16 @@ class RequestBatcher:
         """Scheduled tokens of a request: its prompt plus one token per beam and level."""
         return len(request.prompt) + request.beam_width * self.levels
 
+    @property
+    def healthy(self) -> bool:
+        """True while the scheduling loop runs (started and not failed)."""
+        return self._task is not None and not self._task.done() and self.failure is None
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a batch."""
+        return len(self._waiting)
+
     def start(self) -> None:
         """Start the scheduling loop on the running event loop."""
         if self._task is None:
@@ -127,7 +155,22 @@ class RequestBatcher:
             self._progress = asyncio.Event()
             self._slots = asyncio.Semaphore(self.max_inflight)
             self._closing = False
+            self.failure = None
             self._task = asyncio.get_running_loop().create_task(self._loop())
+            self._task.add_done_callback(self._loop_ended)
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        """The loop's done callback: a loop that failed is logged, said by ``failure`` and
+        ``healthy``, and answers every waiting request, instead of leaving them to hang."""
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        self.failure = f"the scheduler failed: {type(exc).__name__}: {exc}"
+        logger.error("%s", self.failure, exc_info=exc)
+        for request in self._take_waiting():
+            if not request.future.done():
+                request.future.set_exception(SchedulerFailedError(self.failure))
+        self._report_load()
 
     async def stop(self, drain: bool = False, timeout: float = 60.0) -> None:
         """Stop admitting requests and end the loop.
@@ -140,7 +183,7 @@ class RequestBatcher:
         Requests still unanswered at the end fail with ``ShuttingDownError``, never hang.
         """
         self._closing = True
-        if drain and self._task is not None:
+        if drain and self._task is not None:  # a loop that failed has nothing more to drain
             end = time.perf_counter() + timeout
             while (self._waiting or self._batches) and not self._task.done():
                 if time.perf_counter() >= end:
@@ -156,13 +199,27 @@ class RequestBatcher:
         runs = list(self._runs)
         for run in runs:
             run.cancel()
-        unanswered = [r for batch in self._batches for r in batch] + self._waiting
+        unanswered = [r for batch in self._batches.values() for r in batch]
+        unanswered += self._take_waiting()
         await asyncio.gather(*runs, return_exceptions=True)  # they fail their own batches
         for request in unanswered:
             if not request.future.done():
                 request.future.set_exception(ShuttingDownError("the server is shutting down"))
-        self._batches, self._waiting, self._runs = [], [], set()
+        self._batches, self._runs = {}, set()
         self._report_load()
+
+    def _take_waiting(self) -> list[QueuedRequest]:
+        """Empty the queue, returning what it held."""
+        taken = list(self._waiting.values())
+        self._waiting, self._waiting_tokens = {}, 0
+        return taken
+
+    def _withdraw(self, request: QueuedRequest) -> bool:
+        """Take one request out of the queue; False if it was not waiting."""
+        if self._waiting.pop(id(request), None) is None:
+            return False
+        self._waiting_tokens -= self.cost(request)
+        return True
 
     async def submit(self, request: QueuedRequest) -> Answer:
         """Queue a request and wait for its answer.
@@ -206,31 +263,59 @@ class RequestBatcher:
             await asyncio.gather(*answers, return_exceptions=True)
             raise
 
-    def _admit(self, requests: list[QueuedRequest]) -> list[asyncio.Future]:
+    def check_admission(self, count: int = 1, deadline: float | None = None) -> None:
+        """Raise what admitting ``count`` requests with this ``deadline`` would raise now;
+        costs microseconds, so a server can refuse before it reads a request's body.
+
+        Args:
+            count: requests to be admitted together.
+            deadline: their ``time.perf_counter()`` deadline, or None.
+
+        Raises:
+            SchedulerFailedError, ShuttingDownError: the loop failed, or is stopping or not
+                running.
+            QueueFullError: the queue has no room for them.
+            DeadlineExceededError: the deadline passed, or the requests waiting ahead would
+                take past it.
+        """
+        if self.failure is not None:
+            raise SchedulerFailedError(self.failure)
         if self._task is None or self._task.done() or self._closing:
             raise ShuttingDownError("the scheduler is not running")
-        if len(self._waiting) + len(requests) > self.max_queue:
-            backlog = sum(self.cost(r) for r in self._waiting)
-            retry = max(1, math.ceil(self.latency.predict(backlog)))
+        if len(self._waiting) + count > self.max_queue:
+            retry = max(1, math.ceil(self.latency.predict(self._waiting_tokens)))
             waiting = len(self._waiting)
             raise QueueFullError(
                 f"the queue is full ({waiting} requests are waiting); retry in {retry} s", retry
             )
+        if deadline is None:
+            return
         now = time.perf_counter()
-        ahead = now + self.latency.predict(sum(self.cost(r) for r in self._waiting))
-        for request in requests:
-            if request.deadline is not None and now > request.deadline:
-                raise DeadlineExceededError("the deadline passed before the request was queued")
-            if request.deadline is not None and ahead > request.deadline:
-                late_ms = (ahead - request.deadline) * 1e3
-                raise DeadlineExceededError(
-                    f"the deadline cannot be met: the requests waiting ahead need {late_ms:.0f} ms "
-                    "more than it leaves"
-                )
+        if now > deadline:
+            raise DeadlineExceededError("the deadline passed before the request was queued")
+        ahead = now + self.latency.predict(self._waiting_tokens)
+        if ahead > deadline:
+            late_ms = (ahead - deadline) * 1e3
+            raise DeadlineExceededError(
+                f"the deadline cannot be met: the requests waiting ahead need {late_ms:.0f} ms "
+                "more than it leaves"
+            )
+
+    def _admit(self, requests: list[QueuedRequest]) -> list[asyncio.Future]:
+        deadlines = [r.deadline for r in requests if r.deadline is not None]
+        self.check_admission(len(requests), min(deadlines) if deadlines else None)
+        now = time.perf_counter()
         loop = asyncio.get_running_loop()
-        for request in requests:
+        costs = [self.cost(r) for r in requests]
+        orders = queue_orders(
+            costs, self._rounds, self._admitted, self.max_batch_size, self.max_batch_tokens
+        )
+        self._admitted += len(requests)
+        for request, cost, order in zip(requests, costs, orders, strict=True):
             request.future = loop.create_future()
-            self._waiting.append(request)
+            request.order = order
+            self._waiting[id(request)] = request
+            self._waiting_tokens += cost
             if request.deadline is not None:
                 # Answered 504 when the deadline passes in the queue, not when the next batch
                 # is formed (which can be a whole batch's run time later).
@@ -243,9 +328,8 @@ class RequestBatcher:
 
     def _expire(self, request: QueuedRequest) -> None:
         """The deadline timer of a request: a 504 if it is still waiting for its batch."""
-        if request.future.done() or not any(r is request for r in self._waiting):
+        if request.future.done() or not self._withdraw(request):
             return  # answered, withdrawn, or in a batch that has started
-        self._waiting = [r for r in self._waiting if r is not request]
         refuse_late(request, time.perf_counter())
         self._report_load()
 
@@ -254,8 +338,7 @@ class RequestBatcher:
             return await future
         except asyncio.CancelledError:
             future.cancel()
-            if request in self._waiting:
-                self._waiting.remove(request)
+            if self._withdraw(request):
                 self._report_load()
             raise
         finally:
@@ -268,7 +351,10 @@ class RequestBatcher:
     def _next_batch(self) -> list[QueuedRequest]:
         """Take the next batch from the queue (see the module docstring); may be empty."""
         now = time.perf_counter()
-        kept = self._waiting = live_requests(self._waiting, now)
+        kept = live_requests(sorted(self._waiting.values(), key=_queue_order), now)
+        if len(kept) != len(self._waiting):  # withdrawn or late ones left the queue
+            self._waiting = {id(r): r for r in kept}
+            self._waiting_tokens = sum(map(self.cost, kept))
         if not kept:
             return []
         # A batch launched behind others starts on the device when they are predicted done.
@@ -278,8 +364,9 @@ class RequestBatcher:
             self.max_batch_ms,
         )  # fmt: skip
         self._device_free_at = start + self.latency.predict(tokens)
-        taken = set(map(id, batch))
-        self._waiting = [r for r in kept if id(r) not in taken]
+        for request in batch:
+            self._withdraw(request)
+        self._rounds += 1
         return batch
 
     async def _loop(self) -> None:
@@ -293,7 +380,7 @@ class RequestBatcher:
             if not batch:
                 self._slots.release()
                 continue
-            self._batches.append(batch)
+            self._batches[id(batch)] = batch
             self._predicted_end[id(batch)] = self._device_free_at
             run = asyncio.get_running_loop().create_task(self._run_safely(batch, self._slots))
             self._runs.add(run)
@@ -329,7 +416,9 @@ class RequestBatcher:
     async def _run_safely(self, batch: list[QueuedRequest], slots: asyncio.Semaphore) -> None:
         """Run one batch; whatever goes wrong fails its own requests, never the loop.
 
-        ``slots`` is the semaphore this run holds (a restarted scheduler has a new one).
+        ``slots`` is the semaphore this run holds (a restarted scheduler has a new one). The
+        lane is released first, whatever happens after, so a fault in the bookkeeping cannot
+        leave the scheduler one lane short for good.
         """
         try:
             await self._run(batch, batch[0].beam_width, batch[0].top_k)
@@ -340,11 +429,11 @@ class RequestBatcher:
                         XgrError(f"the engine call failed: {type(exc).__name__}: {exc}")
                     )
         finally:
+            slots.release()
+            self._batches.pop(id(batch), None)
             for request in batch:  # cancelled (stop) or otherwise cut short: never left hanging
                 if not request.future.done():
                     request.future.set_exception(ShuttingDownError("the server is shutting down"))
-            if batch in self._batches:
-                self._batches.remove(batch)
             predicted, now = self._predicted_end.pop(id(batch), None), time.perf_counter()
             if not self._batches:
                 self._device_free_at = now
@@ -352,7 +441,6 @@ class RequestBatcher:
                 self._device_free_at = max(now, self._device_free_at + now - predicted)
             if self._progress is not None:
                 self._progress.set()
-            slots.release()
             self._report_load()
 
     async def _run(self, group: list[QueuedRequest], beam_width: int, top_k: int) -> None:
@@ -416,5 +504,9 @@ class RequestBatcher:
 
     def _report_load(self) -> None:
         if self.metrics:
-            running = sum(len(b) for b in self._batches)
+            running = sum(len(b) for b in self._batches.values())
             self.metrics.set_load(running, len(self._waiting))
+
+
+def _queue_order(request: QueuedRequest) -> tuple[int, int]:
+    return request.order

@@ -31,6 +31,11 @@ class ShuttingDownError(XgrError):
     """The scheduler is draining or stopped and admits no new request (503)."""
 
 
+class SchedulerFailedError(ShuttingDownError):
+    """The scheduling loop itself failed: nothing more is served (503); the message names
+    the failure."""
+
+
 def http_status(exc: XgrError) -> int:
     """The HTTP status a serving error is answered with (the server's and the in-process
     load generator's one table): 500 model failure, 413 prompt too long, 429 queue full,
@@ -81,9 +86,10 @@ class LatencyModel:
         return 0.0 if rate is None else rate * tokens
 
 
-@dataclass
+@dataclass(eq=False)
 class QueuedRequest:
-    """One request waiting for a batch.
+    """One request waiting for a batch; compared and hashed by identity (its prompt may be a
+    NumPy array, whose field-by-field equality has no truth value).
 
     Attributes:
         prompt: token ids, already validated by the engine: a list, or the (tokens,) int64
@@ -94,6 +100,8 @@ class QueuedRequest:
         recorded: counted in the metrics (False for the server's own warm-up request).
         future, deadline_timer: set when queued (the answer; the timer that answers 504 at
             the deadline if the request is still waiting, cancelled with the answer).
+        order: set when queued: its place in the queue, (round, arrival number); see
+            ``batch_policy.queue_orders``.
     """
 
     prompt: list[int] | np.ndarray
@@ -106,6 +114,7 @@ class QueuedRequest:
     recorded: bool = True
     future: asyncio.Future | None = None
     deadline_timer: asyncio.TimerHandle | None = None
+    order: tuple[int, int] = (0, 0)
 
 
 @dataclass(frozen=True)

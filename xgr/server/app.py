@@ -34,6 +34,7 @@ from xgr.scheduler import (
     ServingMetrics,
     http_status,
 )
+from xgr.server.admission import AdmissionGate
 from xgr.server.completions import completion_prompts, completion_response
 from xgr.server.config import BodySizeLimit, ServerConfig
 from xgr.server.schemas import (
@@ -111,6 +112,10 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
+    # Added last, so it runs first: a refused request costs no body read or parse.
+    app.add_middleware(
+        AdmissionGate, batcher=batcher, paths=frozenset({"/v1/recommend", "/v1/completions"})
+    )
 
     @app.exception_handler(XgrError)
     async def bad_input(_: Request, exc: XgrError) -> JSONResponse:
@@ -171,16 +176,30 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             )
         SearchParams(beam_width, top_k, num_results)
 
-    @app.get("/health", response_model=StatusResponse)
-    async def health() -> StatusResponse:
-        return StatusResponse(status="ok")
+    def scheduler_failed() -> JSONResponse | None:
+        """A 503 saying why, once the scheduling loop has failed (nothing is served)."""
+        if batcher.failure is None:
+            return None
+        return JSONResponse(status_code=503, content={"status": "failed", "error": batcher.failure})
+
+    @app.get(
+        "/health",
+        response_model=StatusResponse,
+        response_model_exclude_none=True,
+        responses={503: {"model": StatusResponse, "description": "The scheduler failed."}},
+    )
+    async def health() -> Any:
+        return scheduler_failed() or StatusResponse(status="ok")
 
     @app.get(
         "/ready",
         response_model=StatusResponse,
-        responses={503: {"model": StatusResponse, "description": "Still warming up."}},
+        response_model_exclude_none=True,
+        responses={503: {"model": StatusResponse, "description": "Warming up, or failed."}},
     )
     async def ready() -> Any:
+        if failed := scheduler_failed():
+            return failed
         if state["ready"]:
             return StatusResponse(status="ready")
         return JSONResponse(status_code=503, content={"status": "starting"})
@@ -211,6 +230,8 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         arrived = time.perf_counter()
         top_k = body.top_k or body.beam_width
         check_search(body.beam_width, top_k, body.num_results)
+        deadline = arrived + body.deadline_ms / 1e3 if body.deadline_ms else None
+        batcher.check_admission(1, deadline)  # before the history is resolved
 
         def prepare():  # CPU work on long histories: off the event loop
             history = resolve_history(engine.catalog, body.history, engine.title_index)
@@ -218,7 +239,6 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             return history, engine.token_ids(engine.history_prompt(items, body.truncate_history))
 
         history, prompt = await asyncio.to_thread(prepare)
-        deadline = arrived + body.deadline_ms / 1e3 if body.deadline_ms else None
         answer = await answer_unless_disconnected(
             http_request,
             batcher.submit(

@@ -142,7 +142,10 @@ class ModelList(BaseModel):
 
 
 class StatusResponse(BaseModel):
+    """Body of /health and /ready: "ok", "ready", "starting", or "failed" with the error."""
+
     status: str
+    error: str | None = None
 
 
 class ErrorResponse(BaseModel):
