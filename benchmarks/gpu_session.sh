@@ -16,12 +16,16 @@
 #                                               .carry/demo, with /.carry/ in .git/info/exclude)
 #   bash benchmarks/gpu_session.sh serving 0   # req/s within P99 200 ms, batching vs not
 #                                               (one config of serving_throughput.py each)
+#   bash benchmarks/gpu_session.sh http        # the HTTP server's tests on CUDA, then
+#                                               http_serving.py (HTTP vs in-process, fairness,
+#                                               overload); needs the HTTP stack's wheels
+#                                               installed on PYTHONPATH first
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/xgr-gpu}"
 mkdir -p "$OUT"
-case "${1:?phase: tests|attention|ncu|prefill|e2e|profile|t5|bf16|serving}" in
+case "${1:?phase: tests|attention|ncu|prefill|e2e|profile|t5|bf16|serving|http}" in
   tests)
     # fastapi/uvicorn are absent on the device machine: only the engine's tests run there.
     # Eight pytest-xdist workers compile the kernels in parallel (161 s against 280 s
@@ -73,6 +77,12 @@ case "${1:?phase: tests|attention|ncu|prefill|e2e|profile|t5|bf16|serving}" in
   serving)
     timeout 560 python3 benchmarks/serving_throughput.py --configs "${2:-0}" --duration 3 \
       --output "$OUT/serving.json" 2>&1 | tee "$OUT/serving.log" | tail -40
+    ;;
+  http)
+    timeout 170 python3 -m pytest -q -rs tests/server/test_in_flight.py \
+      tests/server/test_slow_clients.py tests/server/test_error_bodies.py 2>&1 | tail -8
+    timeout 410 python3 benchmarks/http_serving.py --duration "${2:-8}" --start-rate 200 \
+      --output "$OUT/http-serving.json" 2>&1 | tee "$OUT/http-serving.log" | tail -45
     ;;
   *)
     echo "unknown phase $1" >&2

@@ -735,3 +735,25 @@ def test_a_group_larger_than_a_batch_lets_later_requests_in_between_its_batches(
     assert 99 in firsts[2] and 14 in firsts[2]
     assert sorted(t for f in firsts for t in f) == [0, *range(10, 22), 99]
     assert len(firsts) == 5
+
+
+def test_a_deadline_that_the_running_batch_and_its_own_run_would_miss_is_refused_at_once():
+    engine = RecordingEngine()
+
+    async def scenario():
+        batcher = held_batcher(engine)
+        batcher.latency.rates = [0.01]  # 11 scheduled tokens: 0.11 s a request
+        first = asyncio.ensure_future(batcher.submit(request(0)))
+        await asyncio.sleep(0.02)  # running, held: predicted to end ~0.09 s from now
+        with pytest.raises(DeadlineExceededError, match="its own run"):
+            await batcher.submit(request(9, deadline=time.perf_counter() + 0.15))
+        roomy = asyncio.ensure_future(
+            batcher.submit(request(8, deadline=time.perf_counter() + 0.5))
+        )
+        await asyncio.sleep(0.02)
+        engine.release.set()
+        await first, await roomy
+        await batcher.stop()
+
+    asyncio.run(scenario())
+    assert [p[0] for c in engine.calls for p in c[0]] == [0, 8]

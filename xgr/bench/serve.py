@@ -230,8 +230,12 @@ async def bench_in_process(
 ) -> list[LoadPoint]:
     """The plan's levels against ``engine`` through a ``RequestBatcher`` in this process
     (``max_batch_size`` and ``max_batch_ms`` as the batcher's)."""
+    import gc
+
     from xgr.scheduler import RequestBatcher
 
+    gc.collect()
+    gc.freeze()  # as the server does once it has warmed up (xgr.server.app)
     batcher = RequestBatcher(
         engine,
         max_batch_size,

@@ -118,6 +118,11 @@ def resolve_history(
             when titles are known; ``entries`` not a list (``history_entries``).
     """
     entries = history_entries(entries)
+    index = catalog.item_index
+    if all(type(entry) is str and entry in index for entry in entries):
+        # The common case, item ids alone, without an entry-by-entry lookup (a serving
+        # request's history of hundreds of items is resolved on every call).
+        return ResolvedHistory(list(entries), set(entries))
     if titles is not None and not isinstance(titles, TitleIndex):
         titles = TitleIndex(catalog, titles)
     resolved = ResolvedHistory()

@@ -248,6 +248,9 @@ def evaluate(source, k, beam_width, max_users, output) -> None:
     "answered 503 and closed. Lowered to what the file-descriptor limit allows (raised at "
     "start to its hard limit).",
 )
+@click.option(
+    "--access-log", is_flag=True, help="Log a line per request (off: it costs the event loop)."
+)
 def serve(
     source,
     host,
@@ -257,6 +260,7 @@ def serve(
     body_timeout,
     keep_alive_timeout,
     max_connections,
+    access_log,
     **limits,
 ) -> None:
     """Serve the HTTP API: recommend, completions, models, health, ready, metrics."""
@@ -266,7 +270,9 @@ def serve(
 
     try:
         config = ServerConfig(**limits)  # the options are named as its fields
-        http_config = HttpConfig(header_timeout, body_timeout, keep_alive_timeout, max_connections)
+        http_config = HttpConfig(
+            header_timeout, body_timeout, keep_alive_timeout, max_connections, access_log
+        )
     except XgrError as exc:
         fail(exc)
     try:  # before the model loads: uvicorn would say only "Name or service not known"

@@ -263,20 +263,23 @@ class RequestBatcher:
             await asyncio.gather(*answers, return_exceptions=True)
             raise
 
-    def check_admission(self, count: int = 1, deadline: float | None = None) -> None:
+    def check_admission(
+        self, count: int = 1, deadline: float | None = None, tokens: int = 0
+    ) -> None:
         """Raise what admitting ``count`` requests with this ``deadline`` would raise now;
         costs microseconds, so a server can refuse before it reads a request's body.
 
         Args:
             count: requests to be admitted together.
             deadline: their ``time.perf_counter()`` deadline, or None.
+            tokens: their own scheduled tokens, when known (0: not yet known).
 
         Raises:
             SchedulerFailedError, ShuttingDownError: the loop failed, or is stopping or not
                 running.
             QueueFullError: the queue has no room for them.
-            DeadlineExceededError: the deadline passed, or the requests waiting ahead would
-                take past it.
+            DeadlineExceededError: the deadline passed, or the batches running, the requests
+                waiting ahead and their own run would take past it (predicted).
         """
         if self.failure is not None:
             raise SchedulerFailedError(self.failure)
@@ -293,20 +296,24 @@ class RequestBatcher:
         now = time.perf_counter()
         if now > deadline:
             raise DeadlineExceededError("the deadline passed before the request was queued")
-        ahead = now + self.latency.predict(self._waiting_tokens)
-        if ahead > deadline:
-            late_ms = (ahead - deadline) * 1e3
+        # Admitted work that would answer after the deadline is work for nobody. A request
+        # that finds nothing running or waiting always runs: refused on the prediction
+        # alone, a slow first measurement would never be corrected.
+        start = max(now, self._device_free_at) if self._batches else now
+        done = start + self.latency.predict(self._waiting_tokens + tokens)
+        if done > deadline and (self._batches or self._waiting):
+            late_ms = (done - deadline) * 1e3
             raise DeadlineExceededError(
-                f"the deadline cannot be met: the requests waiting ahead need {late_ms:.0f} ms "
-                "more than it leaves"
+                f"the deadline cannot be met: the batches running, the requests waiting ahead "
+                f"and its own run need {late_ms:.0f} ms more than it leaves"
             )
 
     def _admit(self, requests: list[QueuedRequest]) -> list[asyncio.Future]:
         deadlines = [r.deadline for r in requests if r.deadline is not None]
-        self.check_admission(len(requests), min(deadlines) if deadlines else None)
+        costs = [self.cost(r) for r in requests]
+        self.check_admission(len(requests), min(deadlines) if deadlines else None, sum(costs))
         now = time.perf_counter()
         loop = asyncio.get_running_loop()
-        costs = [self.cost(r) for r in requests]
         orders = queue_orders(
             costs, self._rounds, self._admitted, self.max_batch_size, self.max_batch_tokens
         )

@@ -62,12 +62,15 @@ class HttpConfig:
             the new one is answered 503 ``{"error": ...}`` with ``Connection: close`` and
             closed before its request is read (so its client may see a reset instead).
             Lowered at start to what the file-descriptor limit allows.
+        access_log: log a line per request (uvicorn's access log). Off by default: under
+            load its formatting and writing cost the event loop about as much as a refusal.
     """
 
     header_timeout: float = 10.0
     body_timeout: float = 10.0
     keep_alive_timeout: float = 5.0
     max_connections: int = 8192
+    access_log: bool = False
 
     def __post_init__(self) -> None:
         for name in ("header_timeout", "body_timeout", "keep_alive_timeout"):
@@ -458,6 +461,7 @@ def make_server(
         port=port,
         http=http,
         timeout_keep_alive=settings.keep_alive_timeout,
+        access_log=settings.access_log,
         **options,
     )
     return Server(config)
