@@ -9,10 +9,10 @@ under overload (1.2x and 2x capacity), side by side in one run.
 3. Fairness: the latency of small requests sent every 20 ms while one completion of 256
    prompts (a quarter of L tokens each) runs, against the same requests alone.
 4. Overload: a server with a short queue (``--max-queue``); capacity is the 200s per second
-   at 32 connections back to back; then Poisson load at 1.2x and 2x that, each request
-   with ``deadline_ms`` 200 as a client with a latency budget sends it: the 200s per second
-   as a fraction of capacity, P99 of the 200s, and every other outcome counted (429 queue
-   full, 504 deadline cannot be met, lost = no answer).
+   at 32 connections back to back; then Poisson load at 1.2x and 2x that (requests with
+   ``--deadline-ms`` when given): the 200s per second as a fraction of capacity, P99 of the
+   200s, the cores the load generator and the server kept busy, and every other outcome
+   counted (429 queue full, 504 deadline, lost = no answer).
 
     python benchmarks/http_serving.py --output benchmarks/results/http-serving.json   # H200
     python benchmarks/http_serving.py --tiny --output /tmp/http.json                   # CPU
@@ -299,7 +299,7 @@ def main() -> None:
     parser.add_argument("--max-batch-size", type=int, default=16)
     parser.add_argument("--max-queue", type=int, default=16, help="the overload server's queue")
     parser.add_argument(
-        "--deadline-ms", type=float, default=200.0, help="deadline_ms of the overload levels"
+        "--deadline-ms", type=float, default=None, help="deadline_ms of the overload levels"
     )
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per level")
     parser.add_argument("--start-rate", type=float, default=100.0)
@@ -367,12 +367,13 @@ def main() -> None:
         server, port = start_server(args, args.max_queue, logs / "server-overload.log")
         try:
             (capacity,) = asyncio.run(
-                http_levels(port, args, [("concurrency", OVERLOAD_CONNECTIONS)])
+                http_levels(
+                    port, args, [("concurrency", OVERLOAD_CONNECTIONS)], server_pid=server.pid
+                )
             )
             rate = capacity["ok_per_s"]
-            levels = asyncio.run(
-                http_levels(port, args, [("rate", 1.2 * rate), ("rate", 2 * rate)])
-            )
+            plan = [("rate", 1.2 * rate), ("rate", 2 * rate)]
+            levels = asyncio.run(http_levels(port, args, plan, args.deadline_ms, server.pid))
         finally:
             server.terminate()
             server.wait(60)

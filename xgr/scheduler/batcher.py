@@ -41,7 +41,7 @@ import time
 from typing import Any
 
 from xgr.core import XgrError, positive_int
-from xgr.scheduler.batch_policy import form_batch, live_requests, queue_orders, refuse_late
+from xgr.scheduler.batch_policy import form_batch, refuse_late
 from xgr.scheduler.metrics import ServingMetrics
 from xgr.scheduler.requests import (
     Answer,
@@ -54,6 +54,7 @@ from xgr.scheduler.requests import (
     answer_requests,
     check_max_batch_ms,
 )
+from xgr.scheduler.waiting import WaitingQueue
 
 # Pipelined launches (see ``RequestBatcher._pace``): the next batch is formed this many
 # launch times plus a margin (s) before the device is predicted to be free.
@@ -112,12 +113,7 @@ class RequestBatcher:
         catalog = getattr(engine, "catalog", None)
         self.levels = catalog.num_levels if catalog is not None else 1
         self.latency = LatencyModel()
-        # Waiting requests by id (insertion order: admission order), their scheduled tokens,
-        # and the queue places handed out so far (batches formed, requests admitted).
-        self._waiting: dict[int, QueuedRequest] = {}
-        self._waiting_tokens = 0
-        self._rounds = 0
-        self._admitted = 0
+        self._waiting = WaitingQueue(self.cost, max_batch_size, max_batch_tokens)
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._batches: dict[int, list[QueuedRequest]] = {}  # id(batch) -> a running batch
@@ -167,7 +163,7 @@ class RequestBatcher:
         exc = task.exception()
         self.failure = f"the scheduler failed: {type(exc).__name__}: {exc}"
         logger.error("%s", self.failure, exc_info=exc)
-        for request in self._take_waiting():
+        for request in self._waiting.take_all():
             if not request.future.done():
                 request.future.set_exception(SchedulerFailedError(self.failure))
         self._report_load()
@@ -200,26 +196,13 @@ class RequestBatcher:
         for run in runs:
             run.cancel()
         unanswered = [r for batch in self._batches.values() for r in batch]
-        unanswered += self._take_waiting()
+        unanswered += self._waiting.take_all()
         await asyncio.gather(*runs, return_exceptions=True)  # they fail their own batches
         for request in unanswered:
             if not request.future.done():
                 request.future.set_exception(ShuttingDownError("the server is shutting down"))
         self._batches, self._runs = {}, set()
         self._report_load()
-
-    def _take_waiting(self) -> list[QueuedRequest]:
-        """Empty the queue, returning what it held."""
-        taken = list(self._waiting.values())
-        self._waiting, self._waiting_tokens = {}, 0
-        return taken
-
-    def _withdraw(self, request: QueuedRequest) -> bool:
-        """Take one request out of the queue; False if it was not waiting."""
-        if self._waiting.pop(id(request), None) is None:
-            return False
-        self._waiting_tokens -= self.cost(request)
-        return True
 
     async def submit(self, request: QueuedRequest) -> Answer:
         """Queue a request and wait for its answer.
@@ -286,7 +269,7 @@ class RequestBatcher:
         if self._task is None or self._task.done() or self._closing:
             raise ShuttingDownError("the scheduler is not running")
         if len(self._waiting) + count > self.max_queue:
-            retry = max(1, math.ceil(self.latency.predict(self._waiting_tokens)))
+            retry = max(1, math.ceil(self.latency.predict(self._waiting.tokens)))
             waiting = len(self._waiting)
             raise QueueFullError(
                 f"the queue is full ({waiting} requests are waiting); retry in {retry} s", retry
@@ -300,7 +283,7 @@ class RequestBatcher:
         # that finds nothing running or waiting always runs: refused on the prediction
         # alone, a slow first measurement would never be corrected.
         start = max(now, self._device_free_at) if self._batches else now
-        done = start + self.latency.predict(self._waiting_tokens + tokens)
+        done = start + self.latency.predict(self._waiting.tokens + tokens)
         if done > deadline and (self._batches or self._waiting):
             late_ms = (done - deadline) * 1e3
             raise DeadlineExceededError(
@@ -314,15 +297,9 @@ class RequestBatcher:
         self.check_admission(len(requests), min(deadlines) if deadlines else None, sum(costs))
         now = time.perf_counter()
         loop = asyncio.get_running_loop()
-        orders = queue_orders(
-            costs, self._rounds, self._admitted, self.max_batch_size, self.max_batch_tokens
-        )
-        self._admitted += len(requests)
-        for request, cost, order in zip(requests, costs, orders, strict=True):
+        self._waiting.add(requests, costs)
+        for request in requests:
             request.future = loop.create_future()
-            request.order = order
-            self._waiting[id(request)] = request
-            self._waiting_tokens += cost
             if request.deadline is not None:
                 # Answered 504 when the deadline passes in the queue, not when the next batch
                 # is formed (which can be a whole batch's run time later).
@@ -335,7 +312,7 @@ class RequestBatcher:
 
     def _expire(self, request: QueuedRequest) -> None:
         """The deadline timer of a request: a 504 if it is still waiting for its batch."""
-        if request.future.done() or not self._withdraw(request):
+        if request.future.done() or not self._waiting.withdraw(request):
             return  # answered, withdrawn, or in a batch that has started
         refuse_late(request, time.perf_counter())
         self._report_load()
@@ -345,7 +322,7 @@ class RequestBatcher:
             return await future
         except asyncio.CancelledError:
             future.cancel()
-            if self._withdraw(request):
+            if self._waiting.withdraw(request):
                 self._report_load()
             raise
         finally:
@@ -358,10 +335,7 @@ class RequestBatcher:
     def _next_batch(self) -> list[QueuedRequest]:
         """Take the next batch from the queue (see the module docstring); may be empty."""
         now = time.perf_counter()
-        kept = live_requests(sorted(self._waiting.values(), key=_queue_order), now)
-        if len(kept) != len(self._waiting):  # withdrawn or late ones left the queue
-            self._waiting = {id(r): r for r in kept}
-            self._waiting_tokens = sum(map(self.cost, kept))
+        kept = self._waiting.in_order(now)
         if not kept:
             return []
         # A batch launched behind others starts on the device when they are predicted done.
@@ -371,9 +345,7 @@ class RequestBatcher:
             self.max_batch_ms,
         )  # fmt: skip
         self._device_free_at = start + self.latency.predict(tokens)
-        for request in batch:
-            self._withdraw(request)
-        self._rounds += 1
+        self._waiting.take(batch)
         return batch
 
     async def _loop(self) -> None:
@@ -513,7 +485,3 @@ class RequestBatcher:
         if self.metrics:
             running = sum(len(b) for b in self._batches.values())
             self.metrics.set_load(running, len(self._waiting))
-
-
-def _queue_order(request: QueuedRequest) -> tuple[int, int]:
-    return request.order
