@@ -2,10 +2,11 @@
 
 Routes: ``POST /v1/recommend``, ``POST /v1/completions`` (OpenAI shape), ``GET /v1/models``,
 ``GET /health`` (liveness), ``GET /ready`` (200 once a warm-up generation has run),
-``GET /metrics`` (Prometheus). Errors: 400 bad input, 404 unknown model, 413 body or prompt
-too long, 422 body not matching the schema, 429 queue full (with Retry-After), 503 shutting
-down, 504 deadline passed or cannot be met before the batch starts. A request whose client
-disconnects is withdrawn from the queue; on shutdown (SIGTERM under uvicorn) admitted
+``GET /metrics`` (Prometheus). Errors: 400 bad input, 404 unknown model, 408 body too slow,
+413 body or prompt too long, 422 body not matching the schema, 429 queue full (with
+Retry-After, decided before the body is read), 500 a numerical or unexpected failure, 503
+shutting down or the scheduler failed, 504 deadline passed or cannot be met. A request whose
+client disconnects is withdrawn from the queue; on shutdown (SIGTERM under uvicorn) admitted
 requests are finished first.
 """
 
@@ -62,11 +63,12 @@ def _error(description: str) -> dict[str, Any]:
 
 POST_ERRORS: dict[int | str, dict[str, Any]] = {
     400: _error("Invalid request: the message says what and where."),
+    408: _error("The body did not arrive in time after its headers."),
     413: _error("Request body or prompt too long."),
     422: _error("Body does not match the schema."),
     429: _error("The queue is full; retry after the Retry-After header's seconds."),
-    500: _error("The model produced no finite score (a numerical failure)."),
-    503: _error("The server is shutting down."),
+    500: _error("The model produced no finite score, or an unexpected error (named)."),
+    503: _error("Shutting down, the scheduler failed, or every connection is busy."),
     504: _error("The deadline passed, or cannot be met, before the request could start."),
 }
 
