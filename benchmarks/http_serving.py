@@ -41,9 +41,7 @@ from xgr.bench import http_load  # noqa: E402
 
 BUDGET_MS = 200.0
 MAX_ERROR_FRACTION = 0.01
-RATE_STEP = 1.5
-MAX_STEPS = 12
-REFINE_STEPS = 2
+RATE_STEP = 1.5  # as serving_throughput.py's sweep
 SPREAD = 0.2  # prompt lengths within +-20% of L
 OVERLOAD_CONNECTIONS = 32
 WARM_S = 3.0  # an uncounted level at half the start rate before each measured one
@@ -87,36 +85,21 @@ def held(summary: dict) -> bool:
 
 
 def sweep(measure, start_rate: float) -> dict:
-    """Rates from ``start_rate`` up x1.5 while the budget holds (down while it breaks at
-    first), then two geometric bisections; ``measure(rate)`` returns a ``summary`` dict."""
-    points, best, broke = [], None, None
+    """``serving_throughput.rate_sweep`` over ``measure(rate)``, which returns a ``summary``
+    dict: the points and the highest rate that kept the budget."""
+    from serving_throughput import rate_sweep
+
+    points = []
 
     def run(rate: float) -> bool:
-        nonlocal best, broke
         point = {"rate": rate, **measure(rate)}
         points.append(point)
-        ok = held(point)
         print(f"    {rate:8.1f}/s -> {point['ok_per_s']:8.1f}/s ok, P99 {point['p99_ms']}, "
               f"{point['statuses']}", flush=True)  # fmt: skip
-        if ok and (best is None or rate > best["rate"]):
-            best = point
-        if not ok and (broke is None or rate < broke):
-            broke = rate
-        return ok
+        return held(point)
 
-    rate = start_rate
-    for _ in range(MAX_STEPS):
-        ok = run(rate)
-        if best is None and rate > start_rate / RATE_STEP**3:
-            rate /= RATE_STEP
-        elif ok and rate >= start_rate:
-            rate *= RATE_STEP
-        else:
-            break
-    for _ in range(REFINE_STEPS):
-        if best is None or broke is None or broke <= best["rate"]:
-            break
-        run((best["rate"] * broke) ** 0.5)
+    rate_sweep(run, start_rate)
+    best = max((p for p in points if held(p)), key=lambda p: p["rate"], default=None)
     return {
         "points": points,
         "max_rate_within_budget": best["rate"] if best else None,

@@ -91,19 +91,51 @@ def build_model(shape: str, tiny: bool, device: str):
     return xgr_model(hf_model(TINY if tiny else SHAPES[shape], device))
 
 
-def sweep(engine, plan_for, start_rate: float, max_batch_size: int, max_batch_ms) -> dict:
+def rate_sweep(held, start_rate: float) -> None:
     """Open-loop rates from ``start_rate``: up x1.5 while the budget holds, or, when the
     first rate already breaks it, down /1.5 (at most MAX_DOWN times) until one holds; then
     REFINE_STEPS geometric bisections between the highest rate that held and the lowest
     above it that broke (x1.5 steps alone leave the limit anywhere in a 50% interval).
 
+    ``held(rate)`` runs one level (recording it as it likes) and says whether it kept the
+    budget.
+    """
+    best_rate = broke_rate = None
+
+    def run(rate: float) -> bool:
+        nonlocal best_rate, broke_rate
+        kept = held(rate)
+        if kept and (best_rate is None or rate > best_rate):
+            best_rate = rate
+        if not kept and (broke_rate is None or rate < broke_rate):
+            broke_rate = rate
+        return kept
+
+    rate = start_rate
+    for _ in range(MAX_STEPS):
+        kept = run(rate)
+        going_down = rate < start_rate
+        if best_rate is None and rate > start_rate / RATE_STEP**MAX_DOWN:
+            rate /= RATE_STEP  # nothing kept the budget yet: look lower
+        elif kept and not going_down:
+            rate *= RATE_STEP
+        else:
+            break  # the budget broke going up, or a lower rate kept it going down
+    for _ in range(REFINE_STEPS):
+        if best_rate is None or broke_rate is None or broke_rate <= best_rate:
+            break
+        run((best_rate * broke_rate) ** 0.5)
+
+
+def sweep(engine, plan_for, start_rate: float, max_batch_size: int, max_batch_ms) -> dict:
+    """``rate_sweep`` of in-process load against ``engine``.
+
     Returns:
         the points run and the highest rate that kept the budget (None: none did).
     """
-    points, best, best_rate, broke_rate = [], None, None, None
+    points, kept_points = [], []
 
-    def run(rate: float) -> bool:
-        nonlocal best, best_rate, broke_rate
+    def held(rate: float) -> bool:
         (point,) = asyncio.run(
             bench_in_process(engine, plan_for(rate), max_batch_size, max_batch_ms, progress=False)
         )
@@ -115,26 +147,12 @@ def sweep(engine, plan_for, start_rate: float, max_batch_size: int, max_batch_ms
             flush=True,
         )
         kept = within_budget(point)
-        if kept and (best_rate is None or rate > best_rate):
-            best, best_rate = point, rate
-        if not kept and (broke_rate is None or rate < broke_rate):
-            broke_rate = rate
+        if kept:
+            kept_points.append(point)
         return kept
 
-    rate = start_rate
-    for _ in range(MAX_STEPS):
-        kept = run(rate)
-        going_down = rate < start_rate
-        if best is None and rate > start_rate / RATE_STEP**MAX_DOWN:
-            rate /= RATE_STEP  # nothing kept the budget yet: look lower
-        elif kept and not going_down:
-            rate *= RATE_STEP
-        else:
-            break  # the budget broke going up, or a lower rate kept it going down
-    for _ in range(REFINE_STEPS):
-        if best_rate is None or broke_rate is None or broke_rate <= best_rate:
-            break
-        run((best_rate * broke_rate) ** 0.5)
+    rate_sweep(held, start_rate)
+    best = max(kept_points, key=lambda p: p.load, default=None)
     return {
         "points": [dataclasses.asdict(p) for p in points],
         "max_rate_within_budget": best.load if best else None,

@@ -97,9 +97,10 @@ def _json_response(status: int, reason: str, error: str, extra: bytes = b"") -> 
 class _Deadlines:
     """Timers and the connection limit shared by the h11 and httptools protocols.
 
-    Subclasses call ``_opened`` from ``connection_made``, ``_request_started``,
-    ``_headers_done`` and ``_body_done`` as the request is parsed, ``_idle`` once a response
-    is sent, and ``_closed`` from ``connection_lost``. ``protocol_class`` sets ``settings``,
+    Listed before uvicorn's protocol class, it admits the connection in ``connection_made``
+    and forgets it in ``connection_lost``; subclasses call ``_request_started``,
+    ``_headers_done`` and ``_body_done`` as the request is parsed and ``_idle`` once a
+    response is sent. ``protocol_class`` sets ``settings``,
     ``max_connections`` and ``waiting`` (one server's connections with no request in
     progress, longest waiting first).
     """
@@ -110,6 +111,14 @@ class _Deadlines:
     _header_timer: asyncio.TimerHandle | None = None
     _body_timer: asyncio.TimerHandle | None = None
     _refused = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        self._opened()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed()
+        super().connection_lost(exc)  # type: ignore[misc]
 
     def _opened(self) -> bool:
         """Admit the connection (True: its header clock runs), closing the longest-waiting
@@ -199,14 +208,6 @@ class _Deadlines:
 class TimedH11Protocol(_Deadlines, H11Protocol):
     """uvicorn's h11 protocol with header and body timeouts and the connection limit."""
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._opened()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._closed()
-        super().connection_lost(exc)
-
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
@@ -240,14 +241,6 @@ def _httptools_protocol() -> type[asyncio.Protocol] | None:
 
     class TimedHttpToolsProtocol(_Deadlines, HttpToolsProtocol):
         """uvicorn's httptools protocol with header and body timeouts and the limit."""
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._opened()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._closed()
-            super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
             if not self._refused:
