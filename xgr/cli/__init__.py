@@ -180,7 +180,7 @@ def evaluate(source, k, beam_width, max_users, output) -> None:
             fail(exc)
 
 
-@main.command(short_help="Serve the HTTP API (recommend, completions, models, health, metrics).")
+@main.command(short_help="Serve the HTTP API (recommend, completions).")
 @engine_options
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
@@ -192,7 +192,9 @@ def evaluate(source, k, beam_width, max_users, output) -> None:
     help="Beam width of completions that name none.",
 )
 @click.option("--max-batch-size", default=32, show_default=True, help="Requests per engine call.")
-@click.option("--max-body-bytes", default=1 << 20, show_default=True)
+@click.option(
+    "--max-body-bytes", default=1 << 20, show_default=True, help="Largest request body (then 413)."
+)
 @click.option(
     "--max-batch-tokens",
     default=1 << 20,
@@ -249,7 +251,9 @@ def evaluate(source, k, beam_width, max_users, output) -> None:
     "start to its hard limit).",
 )
 @click.option(
-    "--access-log", is_flag=True, help="Log a line per request (off: it costs the event loop)."
+    "--access-log",
+    is_flag=True,
+    help="Log a line per request (default: off; each line costs the event loop).",
 )
 def serve(
     source,
