@@ -219,6 +219,9 @@ def test_the_engine_reports_it_as_the_folders_error(tmp_path):
         ("qwen2", {"rms_norm_eps": math.nan}, "rms_norm_eps must be a finite number >= 0"),
         ("t5", {"layer_norm_epsilon": "1e-6"}, "layer_norm_epsilon must be a finite number"),
         ("t5", {"relative_attention_max_distance": 10**400}, "max_distance .* is above"),
+        ("qwen2", {"layer_types": ["full_attention"]}, "num_hidden_layers is 2, layer_types has 1"),
+        ("qwen3", {"layer_types": ["sliding_attention", "full_attention"]}, "'sliding_attention'"),
+        ("llama", {"layer_types": "full_attention"}, "layer_types has str"),
     ],
 )
 def test_sizes_out_of_range_are_refused(tmp_path, arch, changes, message):

@@ -358,3 +358,43 @@ def test_a_server_out_of_descriptors_logs_accept_errors_once_a_second():
     assert 1 <= len(reports) <= 8, stderr[-2000:]
     assert sum(int(line.split("failed ")[1].split()[0]) for line in reports) > 1000
     assert "Traceback" not in stderr, stderr[-2000:]
+
+
+@pytest.mark.parametrize("http", PROTOCOLS)
+def test_oversized_headers_and_malformed_http_get_json_errors(engine, http):
+    with serving(create_app(engine), SHORT, http) as (url, port):
+        huge = connect(port, b"GET /health HTTP/1.1\r\nhost: x\r\n")
+        try:
+            for i in range(40):  # 2.6 MB of headers, more than any limit lets through
+                huge.sendall(b"x-%d: " % i + b"a" * 65000 + b"\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # refused and closed while still sending
+        answered = read_until_closed(huge, 5)
+        if answered:  # 431 here; h11 may refuse first by its own bound, with a 400
+            status = 400 if answered.startswith(b"HTTP/1.1 400") and http == "h11" else 431
+            assert json_error(answered, status)
+        garbage = connect(port, b"POST /v1/recommend HTTP/1.1\r\ncontent-length: abc\r\n\r\n")
+        assert "invalid HTTP request" in json_error(read_until_closed(garbage, 5), 400)
+        upgrade = httpx.get(
+            f"{url}/health", headers={"upgrade": "websocket", "connection": "upgrade"}
+        )
+        slash = httpx.post(f"{url}/v1/recommend/", json={"history": ["x"]})
+    assert answered or http == "h11"  # httptools: the 431 arrives before the close
+    assert upgrade.status_code == 200 and upgrade.json() == {"status": "ok"}
+    assert slash.status_code == 404 and "error" in slash.json()
+
+
+def test_serve_refuses_a_model_that_cannot_hold_one_item(tmp_path, served_model_dir):
+    import shutil
+
+    from click.testing import CliRunner
+
+    from xgr.cli import main
+
+    folder = tmp_path / "model"
+    shutil.copytree(served_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 3}))
+    result = CliRunner().invoke(main, ["serve", "--model", str(folder), "--port", "1"])
+    assert result.exit_code != 0 and "a prompt of one item needs" in result.output
+    assert "Traceback" not in result.output

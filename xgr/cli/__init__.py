@@ -284,6 +284,10 @@ def serve(
     except (OSError, UnicodeError) as exc:
         raise click.UsageError(f"--host {host!r} cannot be resolved: {exc}") from exc
     engine = source.load(cuda_streams=config.streams)
+    try:  # what the server's first generation needs: a model that can hold one item
+        engine.history_prompt(engine.catalog.item_ids[:1], truncate=True)
+    except XgrError as exc:
+        fail(exc)
     if warm_up_tokens:
         beam = config.default_beam_width
         try:

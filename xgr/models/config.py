@@ -158,6 +158,7 @@ class DecoderConfig:
         rope_theta = rope_theta_from_hf(raw, _DEFAULT_ROPE_THETA, _FLOAT32_MAX)
         if raw.get("use_sliding_window"):
             raise XgrError("sliding-window attention is not supported")
+        _check_layer_types(raw)
         act = raw.get("hidden_act", "silu")
         if act not in SUPPORTED_ACTIVATIONS:
             raise XgrError(
@@ -304,3 +305,22 @@ class T5Config:
             decoder_start_token_id=int(start),
             max_prompt_tokens=max_prompt,
         )
+
+
+def _check_layer_types(raw: dict) -> None:
+    """Refuse a ``layer_types`` list (transformers 5) that is not one full-attention entry per
+    layer: every layer here runs full causal attention."""
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        return
+    layers = _size(raw, "num_hidden_layers", maximum=MAX_LAYERS)
+    if not isinstance(layer_types, list) or len(layer_types) != layers:
+        count = len(layer_types) if isinstance(layer_types, list) else type(layer_types).__name__
+        raise XgrError(
+            f"layer_types must list one type per layer: num_hidden_layers is {layers}, "
+            f"layer_types has {count}"
+        )
+    other = sorted({str(t) for t in layer_types} - {"full_attention"})
+    if other:
+        raise XgrError(f"layer_types {other} are not supported: only full_attention")
+

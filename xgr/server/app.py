@@ -127,6 +127,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         title="xgr",
         summary="Generative recommendation by catalog-constrained beam search",
         lifespan=lifespan,
+        redirect_slashes=False,  # "/v1/recommend/" is an unknown route (404), not a redirect
     )
     app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
     # Added last, so it runs first: a refused request costs no body read or parse.

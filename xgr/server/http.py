@@ -42,6 +42,10 @@ ACCEPT_BURSTS = 4
 # accept() errors that mean "out of descriptors or memory": the listening socket stays
 # readable, so without a limit the loop reports them thousands of times a second.
 ACCEPT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+# Most bytes a request's line and headers may take (then 431 and the connection is closed):
+# a client could otherwise fill the memory within the header timeout. Real clients send a
+# few KiB; nginx's default buffers hold 4 x 8 KiB.
+MAX_HEADER_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,7 @@ class _Deadlines:
     _header_timer: asyncio.TimerHandle | None = None
     _body_timer: asyncio.TimerHandle | None = None
     _refused = False
+    _header_bytes = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
@@ -138,6 +143,25 @@ class _Deadlines:
         self._request_started()
         return True
 
+    def _count_header_bytes(self, data: bytes) -> bool:
+        """Count bytes received while a request's headers are awaited; False (the
+        connection answered 431 and closed) once they exceed ``MAX_HEADER_BYTES``."""
+        if self._header_timer is None:
+            return True
+        self._header_bytes += len(data)
+        if self._header_bytes <= MAX_HEADER_BYTES:
+            return True
+        self._refused = True
+        error = f"request headers exceed {MAX_HEADER_BYTES} bytes"
+        self.transport.write(_json_response(431, "Request Header Fields Too Large", error))
+        self.transport.close()
+        return False
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes that are not HTTP/1.1, as the API's JSON error."""
+        self.transport.write(_json_response(400, "Bad Request", f"invalid HTTP request: {msg}"))
+        self.transport.close()
+
     def _uncount(self) -> None:
         # Closing takes a loop turn: uncounted now, so that connections arriving meanwhile
         # are not refused (or others closed) for it.
@@ -159,6 +183,7 @@ class _Deadlines:
             )
 
     def _headers_done(self) -> None:
+        self._header_bytes = 0
         self.waiting.pop(self, None)
         self._cancel("_header_timer")
         if self._body_timer is None:
@@ -213,7 +238,8 @@ class TimedH11Protocol(_Deadlines, H11Protocol):
             return
         if self.conn.their_state is h11.IDLE:  # the first bytes of the next request
             self._request_started()
-        super().data_received(data)
+        if self._count_header_bytes(data):
+            super().data_received(data)
 
     def handle_events(self) -> None:
         super().handle_events()
@@ -243,7 +269,7 @@ def _httptools_protocol() -> type[asyncio.Protocol] | None:
         """uvicorn's httptools protocol with header and body timeouts and the limit."""
 
         def data_received(self, data: bytes) -> None:
-            if not self._refused:
+            if not self._refused and self._count_header_bytes(data):
                 super().data_received(data)
 
         def on_message_begin(self) -> None:
@@ -454,6 +480,7 @@ def make_server(
         port=port,
         http=http,
         timeout_keep_alive=settings.keep_alive_timeout,
+        ws="none",  # no WebSocket routes: an Upgrade request is served as plain HTTP
         access_log=settings.access_log,
         **options,
     )
