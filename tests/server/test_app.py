@@ -328,7 +328,7 @@ def post_body(client, content: bytes, content_type: str = "application/json"):
 def test_body_that_is_not_utf8_is_a_clear_422(client):
     answer = post_body(client, b'{"history": ["\xff\xfe"]}')
     assert answer.status_code == 422
-    assert answer.json()["error"] == "invalid request body: not JSON text (UTF-8)"
+    assert answer.json()["error"].startswith("invalid request body: not parsable JSON text")
 
 
 def test_body_sent_as_text_says_json_is_expected(client):

@@ -323,4 +323,3 @@ def _check_layer_types(raw: dict) -> None:
     other = sorted({str(t) for t in layer_types} - {"full_attention"})
     if other:
         raise XgrError(f"layer_types {other} are not supported: only full_attention")
-

@@ -52,6 +52,12 @@ from xgr.server.schemas import (
     Timings,
 )
 
+# The framework's one message for a body it cannot decode: not UTF-8, not JSON, or JSON past
+# the parser's bounds (nesting depth, digits of an integer).
+BODY_NOT_PARSED = (
+    "invalid request body: not parsable JSON text (UTF-8, with bounded nesting and numbers)"
+)
+
 
 class ModelNotFoundError(XgrError):
     """A completion names a model this server does not serve (404)."""
@@ -171,7 +177,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             # as malformed JSON, a 422 that says what is wrong.
             return JSONResponse(
                 status_code=422,
-                content={"error": "invalid request body: not JSON text (UTF-8)", "detail": []},
+                content={"error": BODY_NOT_PARSED, "detail": []},
             )
         return JSONResponse(
             status_code=exc.status_code, content={"error": str(exc.detail)}, headers=exc.headers
