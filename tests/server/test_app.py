@@ -13,11 +13,6 @@ from xgr.server.config import ServerConfig
 
 
 @pytest.fixture(scope="module")
-def engine(served_model_dir):
-    return Engine.from_pretrained(served_model_dir)
-
-
-@pytest.fixture(scope="module")
 def client(engine):
     config = ServerConfig(max_beam_width=128, max_body_bytes=64 * 1024)
     with TestClient(create_app(engine, config)) as client:

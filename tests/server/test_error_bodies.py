@@ -13,23 +13,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.conftest import live_server
-from xgr import Engine
 from xgr.core import XgrError
 from xgr.server.app import create_app
 
 # JSON's escape for a lone surrogate: valid JSON, but no UTF-8 text holds the code point.
 SURROGATE = "\\ud800"
-
-
-@pytest.fixture(scope="module")
-def engine(served_model_dir):
-    return Engine.from_pretrained(served_model_dir)
-
-
-@pytest.fixture(scope="module")
-def base_url(engine):
-    with live_server(create_app(engine)) as url:
-        yield url
 
 
 def exchange(sock: socket.socket, path: str, body: bytes) -> tuple[int, dict, bytes]:

@@ -17,17 +17,6 @@ from xgr.client import ServerError
 from xgr.server.app import create_app
 
 
-@pytest.fixture(scope="module")
-def engine(served_model_dir):
-    return Engine.from_pretrained(served_model_dir)
-
-
-@pytest.fixture(scope="module")
-def base_url(engine):
-    with live_server(create_app(engine)) as url:
-        yield url
-
-
 def random_requests(catalog, count: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     items = catalog.item_ids

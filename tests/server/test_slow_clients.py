@@ -20,7 +20,6 @@ import httpx
 import pytest
 
 from tests.conftest import wait_until_ready
-from xgr import Engine
 from xgr.core import XgrError
 from xgr.server.app import create_app
 from xgr.server.http import (
@@ -42,11 +41,6 @@ PROTOCOLS = [
     ),
 ]
 SHORT = HttpConfig(header_timeout=0.5, body_timeout=0.5, keep_alive_timeout=0.5)
-
-
-@pytest.fixture(scope="module")
-def engine(served_model_dir):
-    return Engine.from_pretrained(served_model_dir)
 
 
 @contextlib.contextmanager
