@@ -179,3 +179,14 @@ def test_output_checks_leave_a_dangling_link_as_it_was(served_model_dir, tmp_pat
     assert result.exit_code != 0 and "rate" in result.output
     assert (tmp_path / "dangling.json").is_symlink()
     assert not (tmp_path / "target" / "report.json").exists()
+
+
+def test_version_is_the_installed_package_version():
+    from importlib.metadata import version
+
+    import xgr
+
+    result = run("--version")
+    assert result.exit_code == 0
+    assert result.output.strip() == f"xgr, version {version('xgr')}"
+    assert xgr.__version__ == version("xgr")

@@ -1,11 +1,19 @@
 """xgr: a serving engine for LLM-based generative recommendation."""
 
+from importlib.metadata import PackageNotFoundError, version
+
 from xgr.catalog import ItemCatalog
 from xgr.client import Client
 from xgr.core import Recommendation, RecommendResult, SearchParams, XgrError
 from xgr.engine import Engine
 
+try:
+    __version__ = version("xgr")
+except PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
+
 __all__ = [
+    "__version__",
     "Client",
     "Engine",
     "ItemCatalog",

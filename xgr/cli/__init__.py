@@ -17,6 +17,7 @@ from xgr.core import MAX_BEAM_WIDTH, XgrError
 
 
 @click.group()
+@click.version_option(package_name="xgr", prog_name="xgr")
 @click.option("-v", "--verbose", is_flag=True, help="Log what the engine does.")
 def main(verbose: bool) -> None:
     """xgr: generative recommendation by catalog-constrained beam search."""

@@ -6,9 +6,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-# Hard limits of the schema; a server may be configured tighter (ServerConfig).
+from xgr.core import MAX_BEAM_WIDTH
+
+# Hard limits of the schema (and the engine's beam width); a server may be configured
+# tighter (ServerConfig).
 MAX_HISTORY_ITEMS = 10_000
-MAX_BEAM_WIDTH = 4096
 MAX_PROMPTS = 256
 
 
