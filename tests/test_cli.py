@@ -28,9 +28,10 @@ def test_recommend_prints_titles_and_semantic_ids(served_model_dir):
         "3",
     )
     assert result.exit_code == 0, result.output
-    first = result.output.splitlines()[0]
+    header, first = result.output.splitlines()[:2]
+    assert header.split() == ["rank", "item", "score", "semantic", "ID"]
     assert first.lstrip().startswith("1. Title of item") and "<a_" in first
-    assert "beam width 16" in result.output
+    assert "beam width 16" in result.output and "log-probability" in result.output
 
 
 def test_recommend_json_excludes_history(served_model_dir):

@@ -110,6 +110,7 @@ def recommend(
         report = {"items": rows, "complete": result.complete, "latency_ms": round(elapsed_ms, 1)}
         click.echo(json.dumps(report, indent=2))
         return
+    click.echo(f"{'rank':>4} {'item':<55} {'score':>9}  semantic ID")
     for row in rows:
         name = row["title"] or row["item_id"]
         click.echo(f"{row['rank']:>3}. {name:<55} {row['score']:>9.4f}  {row['semantic_id']}")
@@ -120,7 +121,10 @@ def recommend(
             f"the history among the {beam_width} final beams; a larger --beam-width may find "
             "more)"
         )
-    click.echo(f"(beam width {beam_width}, {elapsed_ms:.1f} ms)")
+    click.echo(
+        f"(score: the semantic ID's log-probability under the model, summed over its codes; "
+        f"beam width {beam_width}, {elapsed_ms:.1f} ms)"
+    )
 
 
 @main.command("eval", short_help="Recall@K / NDCG@K of the demo model(s) on MovieLens.")
