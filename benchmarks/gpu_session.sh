@@ -23,6 +23,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"  # the package, uninstalled there
 OUT="${OUT:-/tmp/xgr-gpu}"
 mkdir -p "$OUT"
 case "${1:?phase: tests|attention|ncu|prefill|e2e|profile|t5|bf16|serving|http}" in

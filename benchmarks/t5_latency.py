@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e_latency import CODEBOOK, hf_generate, random_catalog, sid_token_map  # noqa: E402
 from timing import run_environment, time_recommend  # noqa: E402
