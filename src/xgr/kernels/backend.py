@@ -1,14 +1,13 @@
-"""Which decode-attention implementation a device runs, and the device fact the kernels size
-their grids by (its multiprocessor count)."""
+"""Which decode-attention implementation a device runs, chosen once and logged."""
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 
 from xgr.core import XgrError
+from xgr.kernels.decode_attention_launch import SUPPORTED_HEAD_DIMS
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +25,7 @@ def select_attention_backend(device: torch.device, head_dim: int) -> str:
         backend = "torch"
     else:
         try:
-            from xgr.kernels.triton_decode_attention import SUPPORTED_HEAD_DIMS
+            import triton  # noqa: F401
         except ImportError as exc:
             raise XgrError(f"device {device} needs Triton for decode attention: {exc}") from exc
         if head_dim not in SUPPORTED_HEAD_DIMS:
@@ -37,15 +36,3 @@ def select_attention_backend(device: torch.device, head_dim: int) -> str:
         backend = "triton"
     logger.info("decode attention backend: %s (device %s)", backend, device)
     return backend
-
-
-def multiprocessor_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (the current one for an index-less
-    ``cuda``), read from the driver once per device."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _multiprocessor_count(index)
-
-
-@functools.cache
-def _multiprocessor_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from xgr.kernels.backend import multiprocessor_count
+from xgr.kernels.device import multiprocessor_count
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)  # head sizes the decode-attention kernel is built for
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from xgr.layers.relative_position import square_from_offsets
+
+def square_from_offsets(per_offset: torch.Tensor, length: int) -> torch.Tensor:
+    """The (num_heads, length, length) bias of queries 0..length-1 over the same keys from
+    its (num_heads, 2 * length - 1) per-offset values (``relative_position``'s
+    ``offset_position_bias``), by one copy.
+
+    Returns:
+        (num_heads, length, length) contiguous, in per_offset's dtype.
+    """
+    per_offset = per_offset.contiguous()
+    # view[h, a, j] = per_offset[h, a + j]; row a = length - 1 - i holds query i (offset j - i).
+    view = per_offset.as_strided((per_offset.shape[0], length, length), (2 * length - 1, 1, 1))
+    return view.flip(1)
 
 
 def square_mask(

@@ -23,16 +23,16 @@ import triton.language as tl
 from xgr.kernels.decode_attention_launch import (
     CROSS_ATTENTION_LAUNCH,
     DEFAULT_LAUNCH,
+    SUPPORTED_HEAD_DIMS,
     LaunchConfig,
     choose_num_splits,
 )
 
 LOG2E = 1.4426950408889634
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 
 
 @triton.jit
-def _attend_prompt_tile(
+def attend_prompt_tile(
     q,
     K,
     V,
@@ -99,23 +99,23 @@ def _attend_prompt_tile(
 
 
 @triton.jit
-def _attend_tiles(
+def attend_tiles(
     q, K_seq, V_seq, lo, hi, length, head, stride_kt, stride_kh, d, m_i, l_i, acc,
     scale_log2, bias_rows, bias, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     BIAS: tl.constexpr, FOR_LOOP: tl.constexpr,
 ):  # fmt: skip
-    """The full key tiles lo, lo + BLOCK_N, ... below hi, each by ``_attend_prompt_tile``
+    """The full key tiles lo, lo + BLOCK_N, ... below hi, each by ``attend_prompt_tile``
     in bias mode BIAS (0: none; else ``bias`` the table or the tiles' one value)."""
     if FOR_LOOP:  # compiled: a for loop is software-pipelined
         for kv in range(lo, hi, BLOCK_N):
-            m_i, l_i, acc = _attend_prompt_tile(
+            m_i, l_i, acc = attend_prompt_tile(
                 q, K_seq, V_seq, kv, length, head, stride_kt, stride_kh, d, m_i, l_i, acc,
                 scale_log2, BLOCK_N, PRECISION, False, bias_rows, False, BIAS, bias,
             )  # fmt: skip
     else:  # Triton's interpreter cannot take loaded values as range() bounds
         kv = lo
         while kv < hi:
-            m_i, l_i, acc = _attend_prompt_tile(
+            m_i, l_i, acc = attend_prompt_tile(
                 q, K_seq, V_seq, kv, length, head, stride_kt, stride_kh, d, m_i, l_i, acc,
                 scale_log2, BLOCK_N, PRECISION, False, bias_rows, False, BIAS, bias,
             )  # fmt: skip
@@ -176,12 +176,12 @@ def _beam_decode_attention_kernel(
         lo = start + split * chunk
         hi = tl.minimum(end, lo + chunk)
         full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N  # end of the unmasked tiles
-        m_i, l_i, acc = _attend_tiles(
+        m_i, l_i, acc = attend_tiles(
             q, K, V, lo, full, hi, kv_head, stride_kt, stride_kh, d, m_i, l_i, acc,
             scale_log2, 0, 0, BLOCK_N, PRECISION, False, FOR_LOOP,
         )  # fmt: skip
         if full < hi:
-            m_i, l_i, acc = _attend_prompt_tile(
+            m_i, l_i, acc = attend_prompt_tile(
                 q, K, V, full, hi, kv_head, stride_kt, stride_kh, d, m_i, l_i, acc,
                 scale_log2, BLOCK_N, PRECISION, True, 0, False, False, 0,
             )  # fmt: skip

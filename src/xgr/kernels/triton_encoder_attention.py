@@ -2,7 +2,7 @@
 
 One program computes BLOCK_M query rows of one head of one prompt with the online softmax
 of FlashAttention (Dao et al., 2022), each tile's update being the decode kernel's
-(``triton_decode_attention._attend_prompt_tile`` in its bias mode): the bias of each score
+(``triton_decode_attention.attend_prompt_tile`` in its bias mode): the bias of each score
 is read from the head's 2P - 1 per-offset values instead of a (heads, P, P) mask, and keys
 past the prompt's length (read from the device) are masked; key tiles beyond T5's
 max_distance from every row of the block add that distance's one bias instead. The torch
@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from xgr.kernels.triton_decode_attention import LOG2E, _attend_prompt_tile, _attend_tiles
+from xgr.kernels.triton_decode_attention import LOG2E, attend_prompt_tile, attend_tiles
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 
@@ -62,20 +62,20 @@ def _padded_biased_attention_kernel(
     in_table = tl.minimum(far, padded_len - 1)
     before = tl.load(bias - in_table).to(tl.float32)
     after = tl.load(bias + in_table).to(tl.float32)
-    m_i, l_i, acc = _attend_tiles(
+    m_i, l_i, acc = attend_tiles(
         q, K_seq, V_seq, 0, near_start, length, head, stride_kt, stride_kh, d, m_i, l_i, acc,
         scale_log2, bias_rows, before, BLOCK_N, PRECISION, 2, FOR_LOOP,
     )  # fmt: skip
-    m_i, l_i, acc = _attend_tiles(
+    m_i, l_i, acc = attend_tiles(
         q, K_seq, V_seq, near_start, far_start, length, head, stride_kt, stride_kh, d, m_i,
         l_i, acc, scale_log2, bias_rows, bias, BLOCK_N, PRECISION, True, FOR_LOOP,
     )  # fmt: skip
-    m_i, l_i, acc = _attend_tiles(
+    m_i, l_i, acc = attend_tiles(
         q, K_seq, V_seq, far_start, full, length, head, stride_kt, stride_kh, d, m_i, l_i,
         acc, scale_log2, bias_rows, after, BLOCK_N, PRECISION, 2, FOR_LOOP,
     )  # fmt: skip
     if full < length:
-        m_i, l_i, acc = _attend_prompt_tile(
+        m_i, l_i, acc = attend_prompt_tile(
             q, K_seq, V_seq, full, length, head, stride_kt, stride_kh, d, m_i, l_i, acc,
             scale_log2, BLOCK_N, PRECISION, True, bias_rows, False, True, bias,
         )  # fmt: skip

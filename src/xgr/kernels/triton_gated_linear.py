@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from xgr.kernels.backend import multiprocessor_count
+from xgr.kernels.device import multiprocessor_count
 from xgr.kernels.triton_elementwise import GATE_ACTIVATIONS, TORCH_ACTIVATIONS, activation
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps) per dtype. Half types: on an H200 (bf16,

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from xgr.kernels.backend import multiprocessor_count
+from xgr.kernels.device import multiprocessor_count
 
 BLOCK = 2048  # elements a program loads per iteration
 # Programs per streaming multiprocessor the split over columns aims for: enough to hide

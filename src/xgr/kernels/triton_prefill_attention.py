@@ -7,7 +7,7 @@ apply the causal mask. Prompts are found through device offsets, so one launch (
 CUDA graph) serves any set of lengths up to ``max_seqlen``; blocks past a prompt's end
 return at once. Query blocks are launched longest first (the last blocks of a prompt attend
 to the most keys), so the short ones fill the tail of the grid. Each tile's update is the
-decode kernel's (``triton_decode_attention._attend_prompt_tile``, in its causal mode on the
+decode kernel's (``triton_decode_attention.attend_prompt_tile``, in its causal mode on the
 diagonal).
 
 The reference is ``xgr.kernels.prefill_attention.prefill_attention_reference`` (PyTorch SDPA
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from xgr.kernels.triton_decode_attention import LOG2E, _attend_prompt_tile
+from xgr.kernels.triton_decode_attention import LOG2E, attend_prompt_tile
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 
@@ -56,25 +56,25 @@ def _prefill_attention_kernel(
         diagonal_end = tl.minimum(q_lo + BLOCK_M, length)
         if FOR_LOOP:  # compiled: for loops are software-pipelined
             for kv in range(0, q_lo, BLOCK_N):
-                m_i, l_i, acc = _attend_prompt_tile(
+                m_i, l_i, acc = attend_prompt_tile(
                     q, K_seq, V_seq, kv, length, kv_head, stride_kt, stride_kh, d,
                     m_i, l_i, acc, scale_log2, BLOCK_N, PRECISION, False, rows, False, False, 0,
                 )  # fmt: skip
             for kv in range(q_lo, diagonal_end, BLOCK_N):
-                m_i, l_i, acc = _attend_prompt_tile(
+                m_i, l_i, acc = attend_prompt_tile(
                     q, K_seq, V_seq, kv, length, kv_head, stride_kt, stride_kh, d,
                     m_i, l_i, acc, scale_log2, BLOCK_N, PRECISION, True, rows, True, False, 0,
                 )  # fmt: skip
         else:  # Triton's interpreter takes no tensor bounds in range()
             kv = 0
             while kv < q_lo:
-                m_i, l_i, acc = _attend_prompt_tile(
+                m_i, l_i, acc = attend_prompt_tile(
                     q, K_seq, V_seq, kv, length, kv_head, stride_kt, stride_kh, d,
                     m_i, l_i, acc, scale_log2, BLOCK_N, PRECISION, False, rows, False, False, 0,
                 )  # fmt: skip
                 kv += BLOCK_N
             while kv < diagonal_end:
-                m_i, l_i, acc = _attend_prompt_tile(
+                m_i, l_i, acc = attend_prompt_tile(
                     q, K_seq, V_seq, kv, length, kv_head, stride_kt, stride_kh, d,
                     m_i, l_i, acc, scale_log2, BLOCK_N, PRECISION, True, rows, True, False, 0,
                 )  # fmt: skip

@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from xgr.kernels.encoder_attention import square_from_offsets
+
 
 def relative_position_bucket(
     relative_position: torch.Tensor, bidirectional: bool, num_buckets: int, max_distance: int
@@ -92,19 +94,6 @@ def square_position_bias(
     """
     per_offset = offset_position_bias(table, length, bidirectional, max_distance)
     return square_from_offsets(per_offset, length)
-
-
-def square_from_offsets(per_offset: torch.Tensor, length: int) -> torch.Tensor:
-    """The (num_heads, length, length) bias of queries 0..length-1 over the same keys from
-    its (num_heads, 2 * length - 1) per-offset values (``offset_position_bias``), by one copy.
-
-    Returns:
-        (num_heads, length, length) contiguous, in per_offset's dtype.
-    """
-    per_offset = per_offset.contiguous()
-    # view[h, a, j] = per_offset[h, a + j]; row a = length - 1 - i holds query i (offset j - i).
-    view = per_offset.as_strided((per_offset.shape[0], length, length), (2 * length - 1, 1, 1))
-    return view.flip(1)
 
 
 def offset_position_bias(
