@@ -18,8 +18,9 @@ A deadline is the time by which the answer is wanted. A batch runs all its decod
 together (fixed-step: no re-batching between steps). Run times are predicted from recent
 batches' seconds per scheduled token, taking the fastest of the last ``LatencyModel.window``
 batches, so one slow batch (a first capture, a pause) does not make every later deadline look
-impossible. Work is refused before it is spent: at admission when the requests already waiting
-would take past the deadline, and in the queue once the deadline has passed. The queue is
+impossible. Work is refused before it is spent: at admission when the batches running, the
+requests already waiting and its own run would take past the deadline (unless nothing is
+running or waiting), and in the queue once the deadline has passed. The queue is
 bounded (``QueueFullError``, answered 429 with Retry-After); a request whose client went away
 is dropped before its batch starts; ``stop(drain=True)`` finishes every admitted request
 before the loop ends. A failing engine call fails its own requests, never the loop; should the
