@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import statistics
 import time
 from typing import Any
 
@@ -55,14 +54,8 @@ from xgr.scheduler.requests import (
     answer_requests,
     check_max_batch_ms,
 )
+from xgr.scheduler.timeline import DeviceTimeline
 from xgr.scheduler.waiting import WaitingQueue
-
-# Pipelined launches (see ``RequestBatcher._pace``): the next batch is formed this many
-# launch times plus a margin (s) before the device is predicted to be free.
-LAUNCH_LEAD_FACTOR = 2.0
-LAUNCH_LEAD_MARGIN = 0.002
-LAUNCH_WINDOW = 16  # recent launches whose median is the launch time
-DEFAULT_LAUNCH_SECONDS = 0.003
 
 logger = logging.getLogger(__name__)
 
@@ -122,13 +115,9 @@ class RequestBatcher:
         self._slots: asyncio.Semaphore | None = None
         self._closing = False
         self.failure: str | None = None  # why the scheduling loop stopped, if it failed
-        # Pipelining (max_inflight > 1): when the launched batches are predicted to leave the
-        # device, how long launching a batch takes the host, when the last batch finished,
-        # and an event set whenever a batch finishes.
-        self._device_free_at = 0.0
-        self._predicted_end: dict[int, float] = {}  # id(batch) -> when it should end
-        self._launch_times: list[float] = []  # recent launches (s), newest last
-        self._last_finished = 0.0
+        # Pipelining (max_inflight > 1): the batches in flight on the device, and an event
+        # set whenever one finishes.
+        self._timeline = DeviceTimeline()
         self._progress: asyncio.Event | None = None
 
     def cost(self, request: QueuedRequest) -> int:
@@ -283,7 +272,7 @@ class RequestBatcher:
         # Admitted work that would answer after the deadline is work for nobody. A request
         # that finds nothing running or waiting always runs: refused on the prediction
         # alone, a slow first measurement would never be corrected.
-        start = max(now, self._device_free_at) if self._batches else now
+        start = self._timeline.start_of_next(now, bool(self._batches))
         done = start + self.latency.predict(self._waiting.tokens + tokens)
         if done > deadline and (self._batches or self._waiting):
             late_ms = (done - deadline) * 1e3
@@ -340,12 +329,12 @@ class RequestBatcher:
         if not kept:
             return []
         # A batch launched behind others starts on the device when they are predicted done.
-        start = max(now, self._device_free_at) if self._batches else now
+        start = self._timeline.start_of_next(now, bool(self._batches))
         batch, tokens = form_batch(
             kept, self.cost, start, self.latency, self.max_batch_size, self.max_batch_tokens,
             self.max_batch_ms,
         )  # fmt: skip
-        self._device_free_at = start + self.latency.predict(tokens)
+        self._timeline.launched(id(batch), start + self.latency.predict(tokens))
         self._waiting.take(batch)
         return batch
 
@@ -361,7 +350,6 @@ class RequestBatcher:
                 self._slots.release()
                 continue
             self._batches[id(batch)] = batch
-            self._predicted_end[id(batch)] = self._device_free_at
             run = asyncio.get_running_loop().create_task(self._run_safely(batch, self._slots))
             self._runs.add(run)
             run.add_done_callback(self._runs.discard)
@@ -376,8 +364,7 @@ class RequestBatcher:
         batches side by side finish sooner than this sequential prediction; it then only
         delays forming."""
         while self._batches:
-            lead = LAUNCH_LEAD_FACTOR * self._launch_seconds() + LAUNCH_LEAD_MARGIN
-            wait = self._device_free_at - lead - time.perf_counter()
+            wait = self._timeline.free_at - self._timeline.lead() - time.perf_counter()
             if wait <= 0:
                 return
             self._progress.clear()
@@ -385,13 +372,6 @@ class RequestBatcher:
                 await asyncio.wait_for(self._progress.wait(), wait)
             except TimeoutError:
                 return
-
-    def _launch_seconds(self) -> float:
-        """Typical launch time: the median of the recent ones (a launch that captured a
-        graph or waited for a lane is an outlier, not the rule)."""
-        if not self._launch_times:
-            return DEFAULT_LAUNCH_SECONDS
-        return statistics.median(self._launch_times)
 
     async def _run_safely(self, batch: list[QueuedRequest], slots: asyncio.Semaphore) -> None:
         """Run one batch; whatever goes wrong fails its own requests, never the loop.
@@ -414,11 +394,7 @@ class RequestBatcher:
             for request in batch:  # cancelled (stop) or otherwise cut short: never left hanging
                 if not request.future.done():
                     request.future.set_exception(ShuttingDownError("the server is shutting down"))
-            predicted, now = self._predicted_end.pop(id(batch), None), time.perf_counter()
-            if not self._batches:
-                self._device_free_at = now
-            elif predicted is not None:  # the batches behind it start that much sooner or later
-                self._device_free_at = max(now, self._device_free_at + now - predicted)
+            self._timeline.finished(id(batch), time.perf_counter(), bool(self._batches))
             if self._progress is not None:
                 self._progress.set()
             self._report_load()
@@ -446,8 +422,7 @@ class RequestBatcher:
             else:  # launched, the batch runs while the loop forms and launches the next
                 pending = await asyncio.to_thread(launch, *args, **kwargs)
                 if any(r.recorded for r in live):  # not the warm-up request's compile
-                    self._launch_times.append(time.perf_counter() - started)
-                    del self._launch_times[:-LAUNCH_WINDOW]
+                    self._timeline.record_launch(time.perf_counter() - started)
                 results = await asyncio.to_thread(pending.result)
         except asyncio.CancelledError:
             if self._closing:  # stop(): the loop itself is being cancelled
@@ -465,22 +440,11 @@ class RequestBatcher:
         finished = time.perf_counter()
         if not isinstance(results, list) or len(results) != len(live):
             raise XgrError(f"expected {len(live)} results, got {type(results).__name__}")
-        ran = self._run_seconds(started, finished, results)
+        device = (results[0].prefill_ms + results[0].decode_ms) / 1e3 if results else None
+        ran = self._timeline.run_seconds(started, finished, device)
         if any(r.recorded for r in live):  # the warm-up request's compile time is no measure
             self.latency.observe(sum(self.cost(r) for r in live), ran)
         answer_requests(live, results, started, finished, self.metrics)
-
-    def _run_seconds(self, started: float, finished: float, results: list) -> float:
-        """How long a batch took, for the latency model: from its launch, less the time it
-        queued on the device behind the batch finished before it, but never less than the
-        device time the engine measured (batches on other streams run side by side, so the
-        one finished before need not have been ahead of it)."""
-        behind = finished - max(started, self._last_finished)
-        self._last_finished = finished
-        if not results:
-            return behind
-        device = sum(getattr(results[0], name, 0.0) for name in ("prefill_ms", "decode_ms"))
-        return min(finished - started, max(behind, device / 1e3))
 
     def _report_load(self) -> None:
         if self.metrics:
