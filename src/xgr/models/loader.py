@@ -114,18 +114,6 @@ def _shard_path(model_dir: Path, root: Path, index: Path, tensor: str, shard) ->
     return path
 
 
-def read_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of a single-file or sharded safetensors checkpoint (``checkpoint_files``).
-
-    Raises:
-        XgrError: as ``checkpoint_files``.
-    """
-    state: dict[str, torch.Tensor] = {}
-    for path in checkpoint_files(model_dir):
-        state.update(load_file(path))
-    return state
-
-
 def load_model(
     model_dir: str | Path, device: str | torch.device, dtype: str | torch.dtype
 ) -> CausalLM | T5Seq2SeqLM:
