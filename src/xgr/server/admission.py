@@ -11,8 +11,7 @@ body, is checked again once the body is parsed, before the history is resolved.
 
 from __future__ import annotations
 
-import json
-
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from xgr.core import XgrError
@@ -40,20 +39,14 @@ class AdmissionGate:
             try:
                 self.batcher.check_admission()
             except XgrError as exc:
-                await send_refusal(send, exc)
+                await error_response(exc)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
 
-async def send_refusal(send: Send, exc: XgrError) -> None:
-    """Answer a scheduler's refusal as the error handlers do: ``{"error": message}`` with its
-    status, and Retry-After (s) for a full queue."""
-    body = json.dumps({"error": str(exc)}).encode()
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-    ]
-    if isinstance(exc, QueueFullError):
-        headers.append((b"retry-after", str(exc.retry_after).encode()))
-    await send({"type": "http.response.start", "status": http_status(exc), "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+def error_response(exc: XgrError, status: int | None = None) -> JSONResponse:
+    """The API's answer to a refusal: ``{"error": message}`` with its status (``http_status``
+    unless given), and Retry-After (s) for a full queue."""
+    headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, QueueFullError) else None
+    status = http_status(exc) if status is None else status
+    return JSONResponse(status_code=status, content={"error": str(exc)}, headers=headers)

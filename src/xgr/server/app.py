@@ -31,12 +31,10 @@ from xgr.core import SearchParams, XgrError
 from xgr.engine import Engine
 from xgr.scheduler import (
     QueuedRequest,
-    QueueFullError,
     RequestBatcher,
     ServingMetrics,
-    http_status,
 )
-from xgr.server.admission import AdmissionGate
+from xgr.server.admission import AdmissionGate, error_response
 from xgr.server.completions import completion_prompts, completion_response
 from xgr.server.config import BodySizeLimit, ServerConfig
 from xgr.server.schemas import (
@@ -143,9 +141,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
     @app.exception_handler(XgrError)
     async def bad_input(_: Request, exc: XgrError) -> JSONResponse:
-        status = 404 if isinstance(exc, ModelNotFoundError) else http_status(exc)
-        headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, QueueFullError) else None
-        return JSONResponse(status_code=status, content={"error": str(exc)}, headers=headers)
+        return error_response(exc, 404 if isinstance(exc, ModelNotFoundError) else None)
 
     async def answer_unless_disconnected(request: Request, waiting):
         """The awaited answer, or None once the client has gone (its requests withdrawn).
