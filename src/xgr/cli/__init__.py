@@ -289,17 +289,14 @@ def serve(
     except (OSError, UnicodeError) as exc:
         raise click.UsageError(f"--host {host!r} cannot be resolved: {exc}") from exc
     engine = source.load(cuda_streams=config.streams)
-    try:  # what the server's first generation needs: a model that can hold one item
-        engine.history_prompt(engine.catalog.item_ids[:1], truncate=True)
+    try:
+        app = create_app(engine, config)  # refuses a model too small for one item
+        if warm_up_tokens:
+            beam = config.default_beam_width
+            engine.warm_up(warm_up_tokens, beam, beam, config.max_batch_size)
     except XgrError as exc:
         fail(exc)
-    if warm_up_tokens:
-        beam = config.default_beam_width
-        try:
-            engine.warm_up(warm_up_tokens, beam, beam, config.max_batch_size)
-        except XgrError as exc:
-            fail(exc)
-    run_server(create_app(engine, config), host, port, http_config)
+    run_server(app, host, port, http_config)
 
 
 # The bench group registers itself on ``main``.

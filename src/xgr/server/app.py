@@ -98,6 +98,9 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     Args:
         engine: the engine (its model, catalog and titles).
         config: limits and defaults.
+
+    Raises:
+        XgrError: the model cannot hold a prompt of one item (its warm-up request).
     """
     config = config or ServerConfig()
     metrics = ServingMetrics(engine.name)
@@ -113,13 +116,13 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         config.max_batch_ms,
     )
     state = {"ready": False, "started": int(time.time())}
+    # Built now, so that a model too small for one item is refused before the server starts.
+    warm_up = engine.history_prompt(engine.catalog.item_ids[:1], truncate=True)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         batcher.start()
         # /ready turns 200 only after one real generation: the first request pays no warm-up.
-        first_item = engine.catalog.item_ids[0]
-        warm_up = engine.history_prompt([first_item], truncate=True)
         await batcher.submit(QueuedRequest(warm_up, 1, 1, 1, recorded=False))
         freeze_long_lived_objects()
         state["ready"] = True
