@@ -230,12 +230,10 @@ async def bench_in_process(
 ) -> list[LoadPoint]:
     """The plan's levels against ``engine`` through a ``RequestBatcher`` in this process
     (``max_batch_size`` and ``max_batch_ms`` as the batcher's)."""
-    import gc
-
     from xgr.scheduler import RequestBatcher
+    from xgr.server.app import freeze_long_lived_objects
 
-    gc.collect()
-    gc.freeze()  # as the server does once it has warmed up (xgr.server.app)
+    freeze_long_lived_objects()  # as the server does once it has warmed up
     batcher = RequestBatcher(
         engine,
         max_batch_size,
