@@ -38,9 +38,9 @@ sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE))
 
 from xgr.bench import http_load  # noqa: E402
+from xgr.bench.serve import LATENCY_BUDGET_MS as BUDGET_MS  # noqa: E402
+from xgr.bench.serve import MAX_ERROR_FRACTION  # noqa: E402
 
-BUDGET_MS = 200.0
-MAX_ERROR_FRACTION = 0.01
 RATE_STEP = 1.5  # as serving_throughput.py's sweep
 SPREAD = 0.2  # prompt lengths within +-20% of L
 OVERLOAD_CONNECTIONS = 32
@@ -67,13 +67,10 @@ def build_engine(args):
 
 def histories(args, count: int = 512) -> list[list[str]]:
     """Histories of about L / levels items (prompts of about L tokens), seeded."""
-    import random
+    from xgr.bench.serve import history_sampler
 
-    rng = random.Random(0)
-    mean = args.length // 3
-    low, high = max(1, round(mean * (1 - SPREAD))), round(mean * (1 + SPREAD))
-    items = [str(i) for i in range(args.items)]
-    return [rng.sample(items, rng.randint(low, high)) for _ in range(count)]
+    sample = history_sampler([str(i) for i in range(args.items)], args.length // 3, 0, SPREAD)
+    return [sample() for _ in range(count)]
 
 
 def held(summary: dict) -> bool:
