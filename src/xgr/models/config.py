@@ -158,7 +158,6 @@ class DecoderConfig:
         rope_theta = rope_theta_from_hf(raw, _DEFAULT_ROPE_THETA, _FLOAT32_MAX)
         if raw.get("use_sliding_window"):
             raise XgrError("sliding-window attention is not supported")
-        _check_layer_types(raw)
         act = raw.get("hidden_act", "silu")
         if act not in SUPPORTED_ACTIVATIONS:
             raise XgrError(
@@ -181,7 +180,7 @@ class DecoderConfig:
         if head_dim % 2:  # RoPE rotates the two halves of each head against each other
             raise XgrError(f"head_dim {head_dim} must be even for rotary position embeddings")
         attention_bias = _flag(raw, "attention_bias", defaults["attention_bias"])
-        return cls(
+        config = cls(
             model_type=model_type,
             vocab_size=_size(raw, "vocab_size"),
             hidden_size=hidden_size,
@@ -203,6 +202,8 @@ class DecoderConfig:
             tie_word_embeddings=_flag(raw, "tie_word_embeddings", False),
             hidden_act=act,
         )
+        _check_layer_types(raw.get("layer_types"), config.num_layers)
+        return config
 
 
 @dataclass(frozen=True)
@@ -307,13 +308,11 @@ class T5Config:
         )
 
 
-def _check_layer_types(raw: dict) -> None:
+def _check_layer_types(layer_types: Any, layers: int) -> None:
     """Refuse a ``layer_types`` list (transformers 5) that is not one full-attention entry per
-    layer: every layer here runs full causal attention."""
-    layer_types = raw.get("layer_types")
+    layer of the ``layers``: every layer here runs full causal attention."""
     if layer_types is None:
         return
-    layers = _size(raw, "num_hidden_layers", maximum=MAX_LAYERS)
     if not isinstance(layer_types, list) or len(layer_types) != layers:
         count = len(layer_types) if isinstance(layer_types, list) else type(layer_types).__name__
         raise XgrError(
