@@ -84,7 +84,7 @@ def measure_ceilings() -> dict[str, float]:
 
 
 def warm_up_clocks(seconds: float = 2.0) -> None:
-    """Keep the GPU busy with matrix products for a while: an idle H200 starts at a few
+    """Keep the GPU busy with matrix products for a while: an idle GPU starts at a few
     hundred MHz, and the first configurations timed would otherwise run at lower clocks."""
     a = torch.randn(8192, 8192, device="cuda", dtype=DTYPE)
     start = torch.cuda.Event(enable_timing=True)
@@ -224,8 +224,8 @@ def sweep(prompt_lens=(3000,), beam_widths=(512,)) -> tuple[list[dict], dict]:
     """Time launch choices for one request over ``prompt_lens`` x ``beam_widths`` (default
     L=3000, B=512): the default launch (split count from ``choose_num_splits``), with other
     merge tiles and with 1, 2 and 4 splits, each with its fraction of the roofline. The
-    best tiles of the earlier sweeps (NOTES.md) are the default; variants tried since are
-    in NOTES.md with their result files.
+    best tiles of the earlier sweeps are the default; the variants measured and rejected
+    are in docs/performance.md with their result files.
     """
     rows = []
     ceilings = measure_ceilings()

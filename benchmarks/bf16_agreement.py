@@ -1,7 +1,7 @@
 """bf16 on the GPU against float32: the same top-10 items for how many requests? GPU.
 
-The issues ask that bf16 results agree with the float32 reference on the top-10 item set
-for at least 99% of a fixed set of requests. Random-weight models make that test moot:
+The question is whether bf16 results agree with the float32 reference on the top-10 item
+set for at least 99% of a fixed set of requests. Random-weight models make that test moot:
 their scores are nearly flat, so top-10 lists are decided by differences below bf16's
 precision. This benchmark uses the trained demo models instead (``xgr eval --demo``'s
 MovieLens-100K models, decoder-only and T5) and every demo user's leave-one-out history as

@@ -1,13 +1,12 @@
 """Decode-shape GEMMs on the GPU: cuBLAS's choice against cuBLASLt's and a transposed weight.
 
 A decode step multiplies the beams' hidden states (M = beams x requests rows) by each
-projection's weight. At M = 256-512 rows the grid of output tiles is small next to the
-H200's 132 SMs, so these GEMMs run below the matrix rate. This times each projection shape
-of the Qwen3-1.7B and T5 OneRec-like models (and M = 1000, a prefill) four ways: ``F.linear``
-on the (N, K) weight as the engine stores it and ``x @ w_t`` on a (K, N) copy, each with
-PyTorch's cuBLAS and cuBLASLt back ends (``torch.backends.cuda.preferred_blas_library``).
-Times are device time per GEMM from CUDA-graph replays, weights rotating through 8 copies
-so they come from HBM.
+projection's weight. At M = 256-512 rows the grid of output tiles is small next to a large GPU's
+SMs (132 on an H200), so these GEMMs run below the matrix rate. This times each projection shape
+of the Qwen3-1.7B and T5 OneRec-like models (and M = 1000, a prefill) four ways: ``F.linear`` on
+the (N, K) weight as the engine stores it and ``x @ w_t`` on a (K, N) copy, each with PyTorch's
+cuBLAS and cuBLASLt back ends (``torch.backends.cuda.preferred_blas_library``). Times are device
+time per GEMM from CUDA-graph replays, weights rotating through 8 copies so they come from HBM.
 
     python benchmarks/decode_gemm.py --output benchmarks/results/decode-gemm.json
 """

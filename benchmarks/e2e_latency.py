@@ -63,7 +63,8 @@ TINY = dict(
     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
     max_position_embeddings=4096, tie_word_embeddings=True,
 )  # fmt: skip
-# (shape, levels, L, B, R) run through HF generate too; the reference points.
+# (shape, levels, L, B, R) run through HF generate too: the reference points of the
+# comparison (HF takes seconds a request at these sizes).
 HF_CONFIGS = [("qwen3-1.7b", 3, 1000, 256, 1), ("qwen2.5-0.5b", 3, 3000, 512, 1)]
 
 

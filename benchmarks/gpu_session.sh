@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One phase of a GPU session on the lent H200, sized to fit one device call (<= 10 min).
-# Results go to $OUT (the device tool brings them back); copy the JSON worth keeping into
-# benchmarks/results/ with the date and GPU in the name.
+# One phase of the GPU benchmarks and tests, sized to run within ten minutes.
+# Results go to $OUT (default /tmp/xgr-gpu); copy the JSON worth keeping into
+# benchmarks/results/ as topic[-variant]-DATE-DEVICE.json (docs/performance.md).
 #
 #   bash benchmarks/gpu_session.sh tests       # GPU-only tests (kernels, graphs, streams)
 #   bash benchmarks/gpu_session.sh attention   # decode attention table
@@ -28,7 +28,7 @@ OUT="${OUT:-/tmp/xgr-gpu}"
 mkdir -p "$OUT"
 case "${1:?phase: tests|attention|ncu|prefill|e2e|profile|t5|bf16|serving|http}" in
   tests)
-    # fastapi/uvicorn are absent on the device machine: only the engine's tests run there.
+    # The engine's GPU tests; the HTTP server's run in the http phase, which needs its wheels.
     # Eight pytest-xdist workers compile the kernels in parallel (161 s against 280 s
     # serial); the scheduler's timing tests run alone.
     timeout 330 python3 -m pytest -q -n 8 -rs tests/kernels tests/beam \

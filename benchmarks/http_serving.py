@@ -14,7 +14,7 @@ under overload (1.2x and 2x capacity), side by side in one run.
    200s, the cores the load generator and the server kept busy, and every other outcome
    counted (429 queue full, 504 deadline, lost = no answer).
 
-    python benchmarks/http_serving.py --output benchmarks/results/http-serving.json   # H200
+    python benchmarks/http_serving.py --output benchmarks/results/http-serving.json   # GPU
     python benchmarks/http_serving.py --tiny --output /tmp/http.json                   # CPU
 """
 

@@ -59,12 +59,12 @@ from xgr.bench.serve import (  # noqa: E402
 )
 from xgr.models import load_model  # noqa: E402
 
-# (shape, prompt length, beam width, largest batch): the goal configurations first.
+# (shape, prompt length, beam width, largest batch): the decoder-only configurations first.
 # The batch limits sit above what the 200 ms budget lets the deadline rule form (a batch of
 # 8 x 5000 tokens alone takes about the budget), and bound the CUDA graphs warmed up.
-# For Qwen2.5-0.5B at L~1000 a limit of 16 held P99 <= 200 ms at 233 req/s where 32 held it
-# at 193 (H200, results/serving-qwen2.5-0.5b-L1000-B256-*): a batch of 32 takes ~110 ms,
-# and a request arriving as one starts waits for it, then for its own.
+# For Qwen2.5-0.5B at L~1000 a limit of 16 held P99 <= 200 ms at a higher rate than 32
+# (docs/performance.md): a batch of 32 takes ~110 ms, and a request arriving as one starts
+# waits for it, then for its own.
 CONFIGS = [
     ("qwen2.5-0.5b", 1000, 256, 16),
     ("qwen3-1.7b", 5000, 256, 8),

@@ -64,7 +64,8 @@ TINY = dict(
 )  # fmt: skip
 HISTORIES = (256, 1024)
 BEAMS = (256, 512)
-# (shape, history tokens, beam width) also run through HF; the goal is the last.
+# (shape, history tokens, beam width) also run through HF; the OneRec-like one is the main
+# comparison.
 HF_CONFIGS = [("t5-tiger", 256, 256), ("t5-onerec-like", 1024, 512)]
 
 

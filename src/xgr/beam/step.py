@@ -18,12 +18,11 @@ NEG_INF = float("-inf")
 # How ``constrained_beam_step_triton`` selects each request's pool: "auto" (the measured
 # choice below), "triton" (bitonic top-k in chunks) or "torch" (``torch.topk``).
 POOL_TOPK = "auto"
-# "auto" takes torch.topk for pools of at least this many times the beams kept. On an H200
-# (benchmarks/selection.py, results/selection-*-2026-11-29-h200.json, beams 256 and 512)
-# the Triton top-k won on the smaller pools (the root's 256 codes: 12.7 vs 31.4 us; the last
-# level's 512 x 32 children: 71.7 vs 102.1 us at beam 512) and lost on the dense level's
-# (512 x 256 codes: 119.5 vs 73.5 us; 256 x 256: 81.7 vs 66.3 us); this ratio separates
-# every measured case. Beams above 512 are unmeasured.
+# "auto" takes torch.topk for pools of at least this many times the beams kept: in
+# ``benchmarks/selection.py`` (beams 256 and 512) the Triton top-k won on the smaller pools
+# (the root's codes, the last level's few children a beam) and lost to torch.topk's radix
+# select on the dense level's, and this ratio separates every measured case
+# (docs/performance.md). Beams above 512 are unmeasured.
 TORCH_TOPK_MIN_POOL_RATIO = 64
 
 
@@ -175,10 +174,8 @@ def constrained_beam_step_triton(
         scores, flat = pool_topk(pool, keep)
     else:
         # The winners unsorted, then ordered by the bitonic kernel: torch's own ordering (a
-        # radix sort of the winners) took 21 us of the dense level's ~60 at 512 (H200
-        # kernel trace, results/kernel-trace-*-s12-*). The dense level's selection went
-        # from 73.4 to 63.3 us at beam 512 and from 65.9 to 54.6 at 256 (one request;
-        # benchmarks/selection.py, results/selection-s13-*).
+        # radix sort of the winners) was about a third of the dense level's step, and the
+        # bitonic sort of only the winners is cheaper (docs/performance.md).
         scores, flat = pool.topk(keep, dim=1, sorted=False)
         scores, order = pool_topk(scores, keep)
         flat = flat.gather(1, order)

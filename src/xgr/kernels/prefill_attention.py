@@ -6,15 +6,12 @@ Two implementations of one function:
 - ``prefill_attention``: picks between the reference and one launch of xgr's packed Triton
   kernel (``xgr.kernels.triton_prefill_attention.packed_causal_attention``) by measurement.
 
-On an H200 (``benchmarks/attention.py --prefill``, bf16, per layer,
-``results/attention-prefill-triton-2026-11-29-h200.json``) the Triton kernel beat PyTorch's
-packed variable-length flash attention (FA2) at every size (8 x 1000 tokens: 153 vs 180 us
-for the Qwen3-1.7B shape, 66 vs 115 us for Qwen2.5-0.5B; 5000 tokens: 343 vs 436 us), so
-FA2 is no longer used. SDPA per prompt (cuDNN) still wins for one prompt (1000 tokens: 23
-vs 26 us; 5000: 224 vs 343 us) and for several long ones of the Qwen3-1.7B shape (8 x 3000:
-792 vs 919 us), so the packed launch is preferred for several prompts of at most
-``PACKED_MAX_SEQLEN`` tokens. The CUDA graphs of several requests always take the packed
-launch: their prompt lengths are device tensors.
+The Triton kernel beats PyTorch's packed variable-length flash attention at every size
+measured (``benchmarks/attention.py --prefill``; docs/performance.md), so that is not used.
+SDPA per prompt (cuDNN) still wins for one prompt and for several long ones, so the packed
+launch is preferred for several prompts of at most ``PACKED_MAX_SEQLEN`` tokens. The CUDA
+graphs of several requests always take the packed launch: their prompt lengths are device
+tensors.
 """
 
 from __future__ import annotations

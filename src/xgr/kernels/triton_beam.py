@@ -2,10 +2,10 @@
 
 The torch step (``xgr.beam.step.constrained_beam_step``) builds each beam's candidates in
 about fifteen small kernels (trie lookups, gathers, masks) and resolves the winners in ten
-more; inside a CUDA graph each is a node of a few microseconds, which at beam width 512 made
-a step take 110-160 us (H200). Here the candidates come from one kernel and the winners from
-another, with the pool's top-k between them (``triton_topk`` or ``torch.topk``); the torch
-step stays the reference.
+more; inside a CUDA graph each is a node of a few microseconds, so at beam width 512 the
+nodes' fixed cost, not the work, set the step's time. Here the candidates come from one
+kernel and the winners from another, with the pool's top-k between them (``triton_topk``
+or ``torch.topk``); the torch step stays the reference.
 """
 
 from __future__ import annotations

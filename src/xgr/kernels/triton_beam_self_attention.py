@@ -2,7 +2,7 @@
 
 The torch reference takes about a dozen kernels (the K/V writes, the ancestry gathers,
 float32 casts, two batched products, the softmax); with 12 decoder layers and 3 levels
-they were a third of a OneRec-size decode on the H200 (kernel profile of 2026-11-29). Here
+they were a third of a OneRec-size decode's kernels. Here
 one program per query row holds all heads of the row: it writes the new K/V, scores the
 newest token from registers, then folds the earlier slots (at most a few) in by online
 softmax (Milakov & Gimelshein, 2018), reading each through the ancestry index.

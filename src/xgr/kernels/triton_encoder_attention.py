@@ -8,8 +8,9 @@ past the prompt's length (read from the device) are masked; key tiles beyond T5'
 max_distance from every row of the block add that distance's one bias instead. The torch
 reference is ``xgr.kernels.encoder_attention.padded_biased_attention_reference`` (SDPA with
 the square mask). The engine's encoder graph runs this kernel
-(``xgr.models.t5.ENCODER_ATTENTION``): on an H200 it beat SDPA with the mask at the
-OneRec-like shape once the far tiles took one bias (``benchmarks/attention.py --encoder``).
+(``xgr.models.t5.ENCODER_ATTENTION``): once the far tiles take one bias it beats SDPA with
+the mask at the OneRec-like shape, and builds no mask (``benchmarks/attention.py --encoder``;
+docs/performance.md).
 """
 
 from __future__ import annotations
@@ -114,9 +115,8 @@ def padded_biased_attention(
     (``xgr.layers.relative_position.relative_position_bucket``). Given that distance as
     ``constant_beyond``, key tiles entirely that far from a query block add one scalar
     instead of reading a bias per score: for a 1024-token OneRec-like prompt (max_distance
-    128) most tiles. On an H200 (``benchmarks/attention.py --encoder``,
-    ``results/attention-encoder-s12-*``) a layer's attention took 23.9 us this way against
-    28.2 us gathering every score's bias and 25.5 us for SDPA with the square mask.
+    128) most tiles, which is what makes this kernel faster than gathering every score's
+    bias and than SDPA with the square mask (docs/performance.md).
 
     Args:
         q, k, v: (S * P, num_heads, head_dim) fp16/bf16/fp32, one dtype, last dimension
@@ -211,8 +211,8 @@ def square_mask(
 ) -> torch.Tensor:
     """``xgr.kernels.encoder_attention.square_mask`` in one Triton pass: each element written
     once from the per-offset bias, where torch lays the square out by a flip (a copy) and
-    adds the padding mask (a second pass); on an H200 those took ~80 us for one 1024-token
-    OneRec-like prompt (16 heads, 32 MB of mask).
+    adds the padding mask (a second pass): two passes over 32 MB of mask for one 1024-token
+    OneRec-like prompt (16 heads).
 
     Args:
         lengths: (S,) int prompt lengths on the bias's device, each in [1, P] (unchecked: a

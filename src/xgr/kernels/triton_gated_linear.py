@@ -33,11 +33,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from xgr.kernels.device import multiprocessor_count
 from xgr.kernels.triton_elementwise import GATE_ACTIVATIONS, TORCH_ACTIVATIONS, activation
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps) per dtype. Half types: on an H200 (bf16,
-# results/gated-linear-sweep-s17-*) 128 x 256 tiles with 64-deep K steps, 3 stages and 8
-# warps took 95 us against cuBLAS + the activation pass's 99 at Qwen3-1.7B's gate/up shape
-# and 1,280 rows, 394 against 410 at 5,376 rows, and 93 against 110 at Qwen2.5-0.5B's and
-# 3,328 rows; smaller tiles were slower. float32 (no tensor-core tf32: the engine's float32
+# (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps) per dtype. Half types: 128 x 256 tiles with
+# 64-deep K steps, 3 stages and 8 warps beat cuBLAS + the activation pass at prefill row
+# counts of both Qwen gate/up shapes in the sweep; smaller tiles were slower
+# (docs/performance.md). float32 (no tensor-core tf32: the engine's float32
 # path is exact) needs twice the shared memory per element: half the tile.
 LAUNCH = {
     torch.bfloat16: (128, 256, 64, 3, 8),

@@ -2,16 +2,15 @@
 
 The full-vocabulary normalizer of a decode step (``xgr.beam.logits.full_vocab_logsumexp``)
 reduces an (N, V) block of LM-head logits per row. ``torch.logsumexp`` on the model-dtype
-product runs as a float32 copy, a max, a subtraction, an exp, a sum and a log: five passes
-over N x V float32 elements. On an H200 (benchmarks/profile_request.py, Qwen2.5-0.5B shape,
-8 requests x beam 256, V = 151,936) those passes took 6.4 of the decode levels' 16.4 ms of
-kernels. Here each program streams its share of a row once, in the logits' own dtype, and
-keeps a running maximum and a rescaled running sum per group of adjacent columns (the
-online softmax of Milakov & Gimelshein, "Online normalizer calculation for softmax", 2018);
-the partial results of a row's programs are merged by one small ``torch.logsumexp``. A
-running maximum per element took two exps per element, which bounded the pass on the
-H200's exp rate rather than its memory (38.7 us for 256 x 151,936 bf16 logits, 2 TB/s);
-per group of a thread's 16-byte load it takes one, plus one per group.
+product runs as a float32 copy, a max, a subtraction, an exp, a sum and a log: five passes over
+N x V float32 elements, over a third of a batch's decode-level kernel time
+(``benchmarks/profile_request.py``; docs/performance.md). Here each program streams its share of
+a row once, in the logits' own dtype, and keeps a running maximum and a rescaled running sum per
+group of adjacent columns (the online softmax of Milakov & Gimelshein, "Online normalizer
+calculation for softmax", 2018); the partial results of a row's programs are merged by one small
+``torch.logsumexp``. A running maximum per element took two exps per element, which bounded the
+pass on the GPU's exp rate rather than its memory; per group of a thread's 16-byte load it takes
+one, plus one per group.
 """
 
 from __future__ import annotations

@@ -2,11 +2,12 @@
 fused in.
 
 An encoder-decoder's first decode step has one row per request. Its projections are then
-matrix-vector products, bound by reading the weights, and cuBLAS runs each as one or two
-kernels of 5-8 us (H200, d_model 1024) around RMSNorm, activation and residual-add passes
-of their own. Here one launch reads each weight once, spread over enough programs to keep
-the memory system busy (a single row skips the tensor cores, whose 16-row tiles would set
-the narrowest column block, for 4-column blocks), and does its neighbours' elementwise work:
+matrix-vector products, bound by reading the weights, and cuBLAS runs each as one or two kernels
+of a few microseconds around RMSNorm, activation and residual-add passes of their own, so
+launches, not bytes, set the step's time. Here one launch reads each weight once, spread over
+enough programs to keep the memory system busy (a single row skips the tensor cores, whose
+16-row tiles would set the narrowest column block, for 4-column blocks), and does its
+neighbours' elementwise work:
 
 - ``norm``: RMSNorm of the input rows (Zhang & Sennrich, 2019), the rows' mean squares
   taken in a first pass, the scale applied to each loaded tile;
@@ -38,10 +39,8 @@ from xgr.kernels.triton_elementwise import (
 
 MAX_ROWS = 16
 # One row (a matrix-vector product in the FMA units, no tensor-core tile): 4-column blocks
-# and 1024-wide K tiles, 8 warps, 2 stages. On an H200 (bf16, 12 weight copies cycled so they
-# are read from DRAM; results/small-rows-one-row-sweep-s13-*) the T5 OneRec-like level-0
-# projections took qkv 4.6, o 2.5, cross q 2.7, gated wi 7.2 and wo 6.1 us against 6.8, 3.5,
-# 4.6, 10.0 and 10.5 on the tensor-core path's 16 x 16 tiles: 13 us a decoder layer less.
+# and 1024-wide K tiles, 8 warps, 2 stages: four times the programs of the tensor-core path's
+# 16-column blocks, which made every T5 level-0 projection faster (docs/performance.md).
 ONE_ROW_LAUNCH = (4, 1024, 8, 2)
 ACTIVATIONS = {None: 0, "relu": RELU, "gelu_tanh": GELU_TANH, "silu": SILU}
 
@@ -117,10 +116,9 @@ def launch_config(cols: int, rows: int = MAX_ROWS) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for ``rows`` rows of ``cols`` outputs.
 
     Several rows: 16-column blocks, so that even a 1024-column projection spreads over most
-    of the GPU's SMs, and 256-wide K tiles (fewer for a smaller K, at least 16). On an H200
-    (one and eight rows, T5 OneRec-like and TIGER-size projections) these were the fastest
-    of seven launches, or within about 1 us of it (the spread between runs):
-    benchmarks/results/small-rows-linear-sweep-s11-*. One row: ``ONE_ROW_LAUNCH``."""
+    of the GPU's SMs, and 256-wide K tiles (fewer for a smaller K, at least 16): the fastest
+    of the launches swept for one and eight rows of the T5 projections, within the spread
+    between runs (docs/performance.md). One row: ``ONE_ROW_LAUNCH``."""
     return ONE_ROW_LAUNCH if rows == 1 else (16, 256, 4, 3)
 
 

@@ -1,10 +1,10 @@
 """Triton top-k of each request's candidate pool: the selection of a beam step.
 
-``torch.topk`` with k = 512 was slow on some pools of a semantic-ID beam step: on an H200
-(``benchmarks/e2e_latency.py``, beam 512) the last level's step (512 beams x <= 32 children
-= 16,384 candidates) took 102-107 us, the dense level's (512 x 256 codes) 75 us, the root's
-(256 codes) 31 us. ``benchmarks/selection.py`` times both; ``xgr.beam.step`` picks by pool
-size.
+``torch.topk`` with k = 512 sorts the whole row for pools under about 64 x k entries, which
+is slow for the small pools of a semantic-ID beam step (the root's 256 codes, the last
+level's 512 beams x <= 32 children); its radix select wins on the large dense pools.
+``benchmarks/selection.py`` times both; ``xgr.beam.step`` picks by pool size
+(docs/performance.md).
 
 Here each program takes a chunk of a row, packs every score with its position into one
 int64 key and keeps the chunk's top k with Triton's bitonic top-k (``tl.topk``, after

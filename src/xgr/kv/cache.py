@@ -9,9 +9,9 @@ For a batch of R requests with beam width B (N = R * B beam rows):
   ``capacity`` (the number of levels) per beam. Row ``r * B + b`` is beam b of request r.
   Each token is written once, at the row of the beam that generated it; after beam
   selection only a small index (each beam's ancestry: the row of its t-th token) is
-  updated, so forking beams copies no KV. Measured on an H200 (benchmarks/attention.py):
-  copying the written slots instead cost 15-57 us per layer and step, as much as the
-  attention itself, while reading through the index cost nothing measurable.
+  updated, so forking beams copies no KV. Copying the written slots instead cost about as
+  much as the attention itself per layer and step, while reading through the index cost
+  nothing measurable (``benchmarks/attention.py``).
 """
 
 from __future__ import annotations

@@ -21,12 +21,9 @@ _ACTIVATIONS = {
 # ``triton_elementwise.gated_mul_interleaved``), by HF's config names.
 KERNEL_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 # Rows from which CUDA runs the gate/up GEMM with the activation in its epilogue
-# (``xgr.kernels.triton_gated_linear``). On an H200, against cuBLAS + the activation pass
-# (results/gated-linear-s17-*), us: Qwen3-1.7B's shape 48 against 42 at 512 rows, 96
-# against 100 at 1,280, 251 against 257 at 3,328 and 406 against 401 at 5,376 (394 against
-# 410 in the sweep); Qwen2.5-0.5B's 26 against 21 at 512 rows, 37 against 45 at 1,280, 149
-# against 174 at 5,376. Whole prefills gained at every length measured
-# (results/gated-linear-ab-s17-*: Qwen3-1.7B -0.16 ms at 1,000 tokens, -0.96 at 5,000).
+# (``xgr.kernels.triton_gated_linear``). Below it (a single request's decode levels)
+# cuBLAS + the activation pass is faster; from it the fused kernel is about as fast or
+# faster per call, and whole prefills gained at every length measured (docs/performance.md).
 GATED_LINEAR_MIN_ROWS = 1024
 
 

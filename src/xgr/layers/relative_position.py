@@ -73,8 +73,8 @@ def relative_position_bias(
     offsets = key_positions[None, :] - query_positions[:, None]  # [Q, K]
     buckets = relative_position_bucket(offsets, bidirectional, table.shape[0], max_distance)
     # Contiguous: a permuted view has last stride num_heads, which the Triton kernels refuse
-    # and which, as an attention mask, sends PyTorch's SDPA to its float32 math path (7 ms
-    # of a 1k-token OneRec-size encoder on the H200).
+    # and which, as an attention mask, sends PyTorch's SDPA to its float32 math path (7 ms for
+    # a 1k-token OneRec-size encoder on the GPU).
     return table[buckets].permute(2, 0, 1).contiguous()
 
 
@@ -86,8 +86,8 @@ def square_position_bias(
 
     The bias depends on key - query alone (a Toeplitz matrix): the per-offset biases are
     viewed with strides that walk them diagonally, and one copy (the flip) lays the square
-    out. On the H200 the length^2 bucket arithmetic and gather took about 1 ms of a
-    1k-token OneRec-size encoder.
+    out. The length^2 bucket arithmetic and gather took about 1 ms of a 1k-token
+    OneRec-size encoder on the GPU.
 
     Returns:
         (num_heads, length, length) contiguous, in the table's dtype.
