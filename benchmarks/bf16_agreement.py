@@ -54,7 +54,7 @@ K = 10
 def reference_engine(folder: Path, device: str, dtype: str) -> Engine:
     """The reference path: eager, torch attention (the CPU path's kernels)."""
     engine = Engine.from_pretrained(folder, device=device, dtype=dtype, cuda_graphs=False)
-    engine.decode_spec.attention_backend = "torch"
+    engine.runner.attention_backend = "torch"
     return engine
 
 

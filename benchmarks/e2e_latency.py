@@ -16,7 +16,7 @@ memory is its own) for a few configurations, with its top-10 agreement to xgr.
     python benchmarks/e2e_latency.py --tiny --output /tmp/e2e.json   # CPU smoke run
 
 ``--first-levels apart`` runs a single request's level-1 forward after level 0 instead of
-within its prefill (``xgr.engine.decode.FIRST_LEVELS_TOGETHER``).
+within its prefill (``Engine``'s ``first_levels_together``).
 """
 
 from __future__ import annotations
@@ -40,8 +40,6 @@ from timing import graph_ms, run_environment, time_recommend  # noqa: E402
 from xgr import Engine, ItemCatalog  # noqa: E402
 from xgr.beam import BeamState, constrained_beam_step  # noqa: E402
 from xgr.beam import step as step_module  # noqa: E402
-from xgr.engine import decode as decode_module  # noqa: E402
-from xgr.engine.cuda_graph import CudaGraphs  # noqa: E402
 from xgr.models.config import DecoderConfig  # noqa: E402
 from xgr.models.decoder import CausalLM  # noqa: E402
 
@@ -274,12 +272,12 @@ def main() -> None:
     parser.add_argument(
         "--first-levels",
         choices=("together", "apart"),
-        default="together" if decode_module.FIRST_LEVELS_TOGETHER else "apart",
+        default="together",
         help="a single request's level-1 forward within its prefill where the beam holds every"
-        " first-level code (xgr.engine.decode.FIRST_LEVELS_TOGETHER), or after level 0",
+        " first-level code (Engine's first_levels_together), or after level 0",
     )
     args = parser.parse_args()
-    decode_module.FIRST_LEVELS_TOGETHER = args.first_levels == "together"
+    together = args.first_levels == "together"
     device = "cpu" if args.tiny else "cuda"
     if args.tiny:
         shapes, items, lengths, beams, batches, reps = (
@@ -334,14 +332,15 @@ def main() -> None:
         engines = {}
         for levels in (3, 4):
             sid_map = sid_token_map(cfg.vocab_size, levels)
-            engines[levels] = Engine(model, catalogs[levels], sid_map, name=name)
+            engines[levels] = Engine(
+                model, catalogs[levels], sid_map, name=name, first_levels_together=together
+            )
         configs = [(3, *c) for c in itertools.product(lengths, beams, batches)]
         configs += [(4, lengths[0], beams[len(beams) // 2], r) for r in batches]
         for levels, length, beam_width, requests in configs:
             if device == "cuda":  # fresh graphs and prompt-KV pool: peak memory of this config
                 for engine in engines.values():  # the other engine's pool would count too
-                    engine.graphs = None
-                engines[levels].graphs = CudaGraphs(model)
+                    engine.release_graphs()
                 gc.collect()
                 torch.cuda.empty_cache()
             try:
@@ -367,7 +366,7 @@ def main() -> None:
             print(lines[-1], flush=True)
             args.output.write_text(json.dumps(report, indent=1) + "\n")
         for engine in engines.values():
-            engine.graphs = None
+            engine.release_graphs()
         del engines
         gc.collect()
         if device == "cuda":

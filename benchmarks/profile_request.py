@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e_latency import SHAPES, TINY, hf_model, random_catalog, sid_token_map, xgr_model  # noqa: E402
 
 from xgr import Engine  # noqa: E402
-from xgr.engine.decode import decode_levels  # noqa: E402
-from xgr.engine.generate import prefill  # noqa: E402
 from xgr.engine.inputs import prepare_inputs  # noqa: E402
+from xgr.engine.search import search_levels  # noqa: E402
+from xgr.runner import LevelBatch  # noqa: E402
 
 FAMILIES = (  # first match wins; matched against lower-case kernel names
     ("decode attention (xgr Triton)", ("_beam_decode_attention",)),
@@ -196,12 +196,15 @@ def main() -> None:
         from xgr.engine.generate import allocate_shared_kv
 
         shared = allocate_shared_kv(model, inputs)
-        last = []  # the prefill's output, for the decode phase
+        prefilled = []  # the prefill's output, for the decode phase
+        batch = LevelBatch(shared, inputs.prompt_lens, inputs.cu_seqlens_host)
+        together = engine.runner.first_levels_together(len(prompts), beam)
+        code_kv = engine.runner.allocate_code_kv(len(prompts)) if together else None
         phases = {
-            "prefill": lambda: last.append(prefill(model, inputs, shared)),
-            "decode levels": lambda: decode_levels(
-                spec, last[0], inputs.prompt_lens, shared, inputs.cu_seqlens_host, beam, beam
+            "prefill": lambda: prefilled.append(
+                engine.runner.prefill(inputs.prefill_batch(shared, code_kv))
             ),
+            "decode levels": lambda: search_levels(spec, batch, prefilled[0], beam, beam, together),
             # The whole request as served (on CUDA through the graphs ``timed`` captured):
             # its kernels, and from the span the time between them.
             f"request ({'CUDA graphs' if cuda else 'default path'})": lambda: graphed.recommend(

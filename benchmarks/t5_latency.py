@@ -14,7 +14,7 @@ peak-memory ratio and the top-10 overlap of the two.
 ``--encoder-attention sdpa`` runs the encoder's CUDA graph with SDPA and the square mask
 instead of xgr's Triton attention (the default: position bias read per offset).
 ``--first-levels apart`` runs the decoder start step and level 1's forward one after the
-other instead of in one pass (``xgr.engine.decode.FIRST_LEVELS_TOGETHER``).
+other instead of in one pass (``Engine``'s ``first_levels_together``).
 
 With ``--profile`` it also prints (and stores in the JSON) the kernels of the last HF
 configuration's request, eager so that the profiler sees each kernel: device time per kernel
@@ -43,7 +43,6 @@ from e2e_latency import CODEBOOK, hf_generate, random_catalog, sid_token_map  # 
 from timing import run_environment, time_recommend  # noqa: E402
 
 from xgr import Engine  # noqa: E402
-from xgr.engine import decode as decode_module  # noqa: E402
 from xgr.models import t5 as t5_module  # noqa: E402
 
 LEVELS = 3
@@ -109,9 +108,10 @@ def profile_t5(folder: Path, catalog, sid_map, prompt, beam_width, dtype, device
     profiler sees each kernel), split into the encoder and the decode levels."""
     from profile_request import profile_phases
 
-    from xgr.engine.decode import decode_levels_encdec
     from xgr.engine.generate import allocate_shared_kv
     from xgr.engine.inputs import prepare_inputs
+    from xgr.engine.search import search_levels
+    from xgr.runner import LevelBatch
 
     engine = Engine.from_pretrained(
         folder, catalog, device=device, dtype=dtype, sid_token_ids=sid_map, cuda_graphs=False
@@ -120,11 +120,15 @@ def profile_t5(folder: Path, catalog, sid_map, prompt, beam_width, dtype, device
     with torch.inference_mode():
         inputs = prepare_inputs([prompt], engine.device)
         shared = allocate_shared_kv(engine.model, inputs)
-        cu = inputs.cu_seqlens_host
+        prefilled = []  # the encoder's output, for the decode phase
+        batch = LevelBatch(shared, inputs.prompt_lens, inputs.cu_seqlens_host)
+        together = engine.runner.first_levels_together(1, beam_width)
         phases = {
-            "encoder": lambda: engine.model.encode(inputs.tokens, cu, shared),
-            "decode levels": lambda: decode_levels_encdec(
-                engine.decode_spec, shared, cu, beam_width, beam_width
+            "encoder": lambda: prefilled.append(
+                engine.runner.prefill(inputs.prefill_batch(shared))
+            ),
+            "decode levels": lambda: search_levels(
+                engine.decode_spec, batch, prefilled[0], beam_width, beam_width, together
             ),
         }
         report, lines = profile_phases(phases, device == "cuda")
@@ -148,10 +152,9 @@ def main() -> None:
     parser.add_argument(
         "--first-levels",
         choices=("together", "apart"),
-        default="together" if decode_module.FIRST_LEVELS_TOGETHER else "apart",
+        default="together",
         help="the decoder start step and level 1's forward in one pass where the beam holds"
-        " every first-level code (xgr.engine.decode.FIRST_LEVELS_TOGETHER), or one after the"
-        " other",
+        " every first-level code (Engine's first_levels_together), or one after the other",
     )
     parser.add_argument(
         "--reps", type=int, default=10, help="timed xgr requests per configuration (GPU)"
@@ -163,7 +166,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     t5_module.ENCODER_ATTENTION = args.encoder_attention
-    decode_module.FIRST_LEVELS_TOGETHER = args.first_levels == "together"
+    together = args.first_levels == "together"
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
     if args.tiny:
@@ -195,8 +198,9 @@ def main() -> None:
             folder = Path(tmp)
             write_t5(shape, folder, dtype)
             engine = Engine.from_pretrained(
-                folder, catalog, device=device, dtype=dtype, sid_token_ids=sid_map
-            )
+                folder, catalog, device=device, dtype=dtype, sid_token_ids=sid_map,
+                first_levels_together=together,
+            )  # fmt: skip
             for length, beam_width in itertools.product(histories, beams):
                 prompt = history(np.random.default_rng(length + beam_width), sid_map, length)
                 row = {"shape": name, "history_tokens": len(prompt), "beam_width": beam_width}

@@ -16,7 +16,7 @@ import json
 import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 
 class XgrError(ValueError):
@@ -130,3 +130,39 @@ class RecommendResult:
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
     complete: bool = True
+
+
+class PendingResults(Protocol):
+    """A launched batch: ``result()`` waits for it and gives one ``RecommendResult`` per
+    prompt, in order (or raises the batch's error), from any thread, any number of times."""
+
+    def result(self) -> list[RecommendResult]: ...
+
+
+class RecommendationEngine(Protocol):
+    """The engine as the scheduler and the benchmarks call it; ``xgr.Engine`` is one.
+
+    ``recommend_async`` returns once the batch's device work is queued; up to ``lanes``
+    batches may be in flight at once (each call from its own thread).
+    """
+
+    @property
+    def lanes(self) -> int:
+        """Batches the engine can have in flight at once."""
+        ...
+
+    @property
+    def num_levels(self) -> int:
+        """Codes in a semantic ID (decode steps per search)."""
+        ...
+
+    def recommend_async(
+        self,
+        prompts: Any,
+        beam_width: int,
+        top_k: int,
+        num_results: Any,
+        exclude_item_ids: Any,
+    ) -> PendingResults:
+        """Launch a batch (``xgr.Engine.recommend_async``'s arguments)."""
+        ...

@@ -13,10 +13,9 @@ import torch
 from tests.conftest import random_catalog, sequential_sid_map, write_random_t5
 from xgr import Engine
 from xgr.engine.cuda_graph import CudaGraphs
-from xgr.engine.decode import runs_first_levels_together
-from xgr.engine.generate import _launch
+from xgr.engine.generate import launch_semantic_ids
 from xgr.engine.graph_cache import GraphCache
-from xgr.engine.graph_keys import MAX_ENCODER_MASK_BYTES, encoder_bucket, prefill_bucket
+from xgr.engine.graph_keys import MAX_GRAPH_WORKSPACE_BYTES, DecodeGraphKey
 from xgr.engine.inputs import prepare_inputs
 from xgr.engine.warm_up import warm_up_batches
 from xgr.kernels.prefill_attention import prefill_attention_reference
@@ -25,6 +24,24 @@ from xgr.models import CausalLM
 from xgr.models import t5 as t5_module
 from xgr.models.config import DecoderConfig, T5Config
 from xgr.models.t5 import T5Seq2SeqLM
+from xgr.runner import PrefillShape, runner_for
+from xgr.runner import decoder as decoder_runner
+from xgr.runner.shapes import encoder_bucket, prefill_bucket
+
+
+def graphs_of(model, first_codes=16, **limits):
+    """``CudaGraphs`` of a model's runner over a 3-level catalog of ``first_codes`` codes."""
+    return CudaGraphs(runner_for(model, 3, torch.arange(first_codes)), **limits)
+
+
+def shape(graphs, lens, together=False):
+    """The prefill graph a batch replays (None: eager), planned without a log line."""
+    return graphs.plan(lens, 16, 16, together, log=False).prefill
+
+
+def run(engine, prompts, graphs=None):
+    """One batch (beam 8, top-k 8), eager or through ``graphs``, waited for."""
+    return launch_semantic_ids(engine.decode_spec, prompts, 8, 8, graphs).wait()
 
 
 def tiny_model(dtype):
@@ -54,17 +71,17 @@ def test_prefill_buckets_pad_little_and_stay_few():
 
 
 def test_packed_prefill_keys_do_not_depend_on_the_batch_size():
-    graphs = CudaGraphs(tiny_model(torch.bfloat16), max_requests=16)
-    keys = {
-        graphs.prefill_key(lens) for lens in ([30, 41], [10, 20, 33], [5] * 8 + [40], [2, 60, 1])
-    }
-    assert keys == {("prefill", 16, 256, 64, False)}
-    assert graphs.prefill_key([100]) == ("prefill", 1, 256, 256, False)  # alone: causal
+    graphs = graphs_of(tiny_model(torch.bfloat16), max_requests=16)
+    keys = {shape(graphs, lens) for lens in ([30, 41], [10, 20, 33], [5] * 8 + [40], [2, 60, 1])}
+    assert keys == {PrefillShape(16, 256, 64)}
+    assert shape(graphs, [100]) == PrefillShape(1, 256, 256)  # alone: causal
     # A single request whose prefill also runs level 1's forward: a graph of its own.
-    assert graphs.prefill_key([100], level_one=True) == ("prefill", 1, 256, 256, True)
-    assert graphs.prefill_key([1] * 17) is None  # above max_requests: eager
-    assert graphs.prefill_key([40_000, 40_000]) is None  # above max_prefill_tokens
-    assert CudaGraphs(tiny_model(torch.float32)).prefill_key([3, 4]) is None  # fp32: eager
+    assert shape(graphs, [100], together=True) == PrefillShape(1, 256, 256, code_rows=16)
+    assert shape(graphs, [1] * 17) is None  # above max_requests: eager
+    assert graphs.plan([1] * 17, 16, 16, False).decode is None  # the search too
+    assert shape(graphs, [40_000, 40_000]) is None  # above max_prefill_tokens
+    assert graphs.plan([40_000, 40_000], 16, 16, False).decode == DecodeGraphKey(2, 16, 16, False)
+    assert shape(graphs_of(tiny_model(torch.float32)), [3, 4]) is None  # fp32: eager
 
 
 def test_a_dropped_cuda_graphs_is_freed_without_the_cyclic_collector():
@@ -72,7 +89,7 @@ def test_a_dropped_cuda_graphs_is_freed_without_the_cyclic_collector():
     # cycle would keep them until a collection that GPU memory pressure does not trigger.
     gc.disable()
     try:
-        graphs = CudaGraphs(tiny_model(torch.bfloat16))
+        graphs = graphs_of(tiny_model(torch.bfloat16))
         graphs.reserve(64)
         freed = weakref.ref(graphs)
         del graphs
@@ -99,18 +116,31 @@ def test_encoder_bucket_values(max_len, bucket):
 
 def test_encoder_keys_pad_slots_to_powers_of_two_and_respect_the_mask_limit(monkeypatch):
     monkeypatch.setattr(t5_module, "ENCODER_ATTENTION", "sdpa")  # the one that builds a mask
-    graphs = CudaGraphs(tiny_t5(torch.bfloat16), max_requests=16)
-    assert graphs.prefill_key([100]) == ("encode", 1, 128, 128)
+    graphs = graphs_of(tiny_t5(torch.bfloat16), max_requests=16)
+
+    def encode(slots, length):
+        mask = slots * 4 * length**2 * 2
+        return (slots, slots * length, length, length, mask)
+
+    def fields(key):
+        return None if key is None else (key.slots, key.padded_tokens, key.max_seqlen,
+                                         key.slot_tokens, key.workspace_bytes)  # fmt: skip
+
+    assert fields(shape(graphs, [100])) == encode(1, 128)
+    assert not shape(graphs, [100]).reads_positions
+    # Level 1 never joins the encoder: the same graph either way.
+    assert shape(graphs, [100], together=True) == shape(graphs, [100])
     # slots: the next power of two; P: the longest prompt's bucket; float32 too
-    assert graphs.prefill_key([30, 41, 100]) == ("encode", 4, 512, 128)
-    assert graphs.prefill_key([5] * 9) == ("encode", 16, 1024, 64)
-    assert CudaGraphs(tiny_t5(torch.float32)).prefill_key([3, 4]) == ("encode", 2, 128, 64)
-    assert graphs.prefill_key([1] * 17) is None  # above max_requests: eager
+    assert fields(shape(graphs, [30, 41, 100])) == encode(4, 128)
+    assert fields(shape(graphs, [5] * 9)) == encode(16, 64)
+    t5_fp32 = fields(shape(graphs_of(tiny_t5(torch.float32)), [3, 4]))
+    assert t5_fp32 == (2, 128, 64, 64, 2 * 4 * 64**2 * 4)
+    assert shape(graphs, [1] * 17) is None  # above max_requests: eager
     # The mask, 16 slots x 4 heads x P^2 x 2 bytes, passes 1 GiB between P = 2816 and 3072.
-    assert 16 * 4 * 2816**2 * 2 <= MAX_ENCODER_MASK_BYTES < 16 * 4 * 3072**2 * 2
-    assert graphs.prefill_key([10] * 9 + [2816]) == ("encode", 16, 16 * 2816, 2816)
-    assert graphs.prefill_key([10] * 9 + [2817]) is None
-    assert graphs.prefill_key([2817]) == ("encode", 1, 3072, 3072)  # one slot: 1/16 of it
+    assert 16 * 4 * 2816**2 * 2 <= MAX_GRAPH_WORKSPACE_BYTES < 16 * 4 * 3072**2 * 2
+    assert fields(shape(graphs, [10] * 9 + [2816])) == encode(16, 2816)
+    assert shape(graphs, [10] * 9 + [2817]) is None
+    assert fields(shape(graphs, [2817])) == encode(1, 3072)  # one slot: 1/16 of it
 
 
 def test_encoder_keys_skip_the_mask_limit_where_no_mask_is_built(monkeypatch):
@@ -118,27 +148,33 @@ def test_encoder_keys_skip_the_mask_limit_where_no_mask_is_built(monkeypatch):
     token limit sends an encode to eager; under SDPA the mask limit still does."""
     model = tiny_t5(torch.bfloat16)
     monkeypatch.setattr(T5Seq2SeqLM, "_triton_encoder_attention_fits", lambda self, device: True)
-    graphs = CudaGraphs(model, max_requests=16)
+    graphs = graphs_of(model, max_requests=16)
     assert not model.encoder_builds_mask(torch.device("meta"))
-    assert graphs.prefill_key([10] * 9 + [2817]) == ("encode", 16, 16 * 3072, 3072)
-    assert graphs.prefill_key([10] * 9 + [4097]) is None  # 16 x 4160 tokens: above 65,536
+    key = shape(graphs, [10] * 9 + [2817])
+    assert (key.slots, key.padded_tokens, key.workspace_bytes) == (16, 16 * 3072, 0)
+    assert shape(graphs, [10] * 9 + [4097]) is None  # 16 x 4160 tokens: above 65,536
     monkeypatch.setattr(t5_module, "ENCODER_ATTENTION", "sdpa")
     assert model.encoder_builds_mask(torch.device("meta"))
-    assert graphs.prefill_key([10] * 9 + [2817]) is None
+    assert shape(graphs, [10] * 9 + [2817]) is None
 
 
 def test_warm_up_batches_cover_the_graphs_of_any_such_batch():
-    graphs = CudaGraphs(tiny_model(torch.bfloat16), max_requests=16)
+    graphs = graphs_of(tiny_model(torch.bfloat16), max_requests=16)
     shortest, longest, max_size = 300, 450, 6
-    batches, most = warm_up_batches(graphs, shortest, longest, max_size)
+    batches, most = warm_up_batches(graphs, shortest, longest, max_size, 16, 16)
     assert {len(b) for b in batches} == set(range(1, max_size + 1))
     assert all(shortest <= n <= longest for b in batches for n in b)
-    keys = {graphs.prefill_key(b) for b in batches}
-    assert most >= max(k[2] for k in keys) and most >= max(sum(b) for b in batches)
+
+    def key(lens):  # a single request runs level 1 in its prefill (16 codes, beam 16)
+        return shape(graphs, lens, together=len(lens) == 1)
+
+    keys = {key(b) for b in batches}
+    assert any(k.code_rows for k in keys) and any(not k.code_rows for k in keys)
+    assert most >= max(k.padded_tokens for k in keys) and most >= max(sum(b) for b in batches)
     rng = np.random.default_rng(0)
     for _ in range(300):  # batches a load could form: their prefill graphs were warmed up
         lens = rng.integers(shortest, longest + 1, rng.integers(1, max_size + 1)).tolist()
-        assert graphs.prefill_key(lens) in keys, lens
+        assert key(lens) in keys, lens
 
 
 class _ReplayByRerun:
@@ -149,12 +185,17 @@ class _ReplayByRerun:
         self.run, self.outputs = run, outputs
 
     def replay(self):
-        for out, new in zip(self.outputs, self.run(), strict=True):
+        for out, new in zip(_tensors(self.outputs), _tensors(self.run()), strict=True):
             out.copy_(new)
 
 
+def _tensors(outputs):
+    """A graph's outputs as tensors: a search's (nodes, scores), a prefill's ``Prefilled``."""
+    return outputs if isinstance(outputs, tuple) else outputs.tensors()
+
+
 def _capture_by_rerun(self, key, run, inputs):
-    outputs = tuple(run())
+    outputs = run()
     return self.add(key, _ReplayByRerun(run, outputs), inputs, outputs)
 
 
@@ -175,13 +216,13 @@ def test_graph_buffers_give_the_eager_results_on_the_cpu(arch, model_dirs, tmp_p
     catalog = random_catalog(300, 3, 16, seed=3)
     sid_map = sequential_sid_map(3, 16, offset)
     engine = Engine.from_pretrained(folder, catalog=catalog, sid_token_ids=sid_map)
-    engine.decode_spec.attention_backend = "triton"
-    graphs = CudaGraphs(engine.model, max_requests=4)
+    engine.runner.attention_backend = "triton"
+    graphs = CudaGraphs(engine.runner, max_requests=4)
     gen = torch.Generator().manual_seed(0)
     for lens in batches:
         prompts = [torch.randint(2, 40, (n,), generator=gen).tolist() for n in lens]
-        want = _launch(engine.decode_spec, prompts, 8, 8, None).wait()
-        got = _launch(engine.decode_spec, prompts, 8, 8, graphs).wait()
+        want = run(engine, prompts)
+        got = run(engine, prompts, graphs)
         assert torch.equal(got.sid_index, want.sid_index), lens
         torch.testing.assert_close(got.scores, want.scores, atol=1e-5, rtol=1e-5)
     # Fewer graphs than batches: later batches replayed earlier captures.
@@ -201,15 +242,15 @@ def test_single_requests_with_level_one_mixing_graphed_and_eager_prefills_on_the
     sid_map = sequential_sid_map(3, 16, 40)
     engine = Engine.from_pretrained(model_dirs["qwen2"], catalog=catalog, sid_token_ids=sid_map)
     spec = engine.decode_spec
-    spec.attention_backend = "triton"
-    assert runs_first_levels_together(spec, 1, 16)
-    graphs = CudaGraphs(engine.model, max_requests=4, max_prefill_tokens=256)
+    engine.runner.attention_backend = "triton"
+    assert engine.runner.first_levels_together(1, 16)
+    graphs = CudaGraphs(engine.runner, max_requests=4, max_prefill_tokens=256)
     gen = torch.Generator().manual_seed(1)
     for n in (300, 30, 280, 40):  # above 256 padded tokens: eager prefills
         prompt = torch.randint(2, 40, (n,), generator=gen).tolist()
-        assert (graphs.prefill_key([n], True) is None) == (n > 200)
-        want = _launch(spec, [prompt], 16, 16, None).wait()
-        got = _launch(spec, [prompt], 16, 16, graphs).wait()
+        assert (shape(graphs, [n], True) is None) == (n > 200)
+        want = launch_semantic_ids(spec, [prompt], 16, 16, None).wait()
+        got = launch_semantic_ids(spec, [prompt], 16, 16, graphs).wait()
         assert torch.equal(got.sid_index, want.sid_index), n
         torch.testing.assert_close(got.scores, want.scores, atol=1e-5, rtol=1e-5)
     assert graphs.captures == 2  # one decode graph, one prefill bucket (30 and 40 tokens)
@@ -224,7 +265,7 @@ def _interpreted_engine(folder, offset, monkeypatch):
     engine = Engine.from_pretrained(
         folder, catalog=catalog, sid_token_ids=sequential_sid_map(3, 16, offset)
     )
-    engine.decode_spec.attention_backend = "triton"
+    engine.runner.attention_backend = "triton"
     return engine
 
 
@@ -246,18 +287,23 @@ def test_packed_prefill_graphs_read_their_staged_offsets_on_the_cpu(model_dirs, 
     against eager runs."""
     engine = _interpreted_engine(model_dirs["qwen2"], 40, monkeypatch)
     # float32 batches of several prompts replay the packed graph here, as bf16 ones do.
-    monkeypatch.setattr(CudaGraphs, "_eager_kind", lambda self, num: False)
+    packed = decoder_runner.packed_shape
+    monkeypatch.setattr(
+        decoder_runner.DecoderRunner,
+        "prefill_shape",
+        lambda self, lens, slots, together: packed(lens, slots, 16 if together else 0),
+    )
     monkeypatch.setattr(attention_layers, "prefill_attention", _offsets_from_the_device)
-    graphs = CudaGraphs(engine.model, max_requests=4, max_prefill_tokens=512)
+    graphs = CudaGraphs(engine.runner, max_requests=4, max_prefill_tokens=512)
     rng = np.random.default_rng(0)
     for _ in range(8):
         lens = rng.integers(1, 160, rng.integers(1, 6)).tolist()
         prompts = [rng.integers(2, 40, n).tolist() for n in lens]
-        want = _launch(engine.decode_spec, prompts, 8, 8, None).wait()
-        got = _launch(engine.decode_spec, prompts, 8, 8, graphs).wait()
+        want = run(engine, prompts)
+        got = run(engine, prompts, graphs)
         assert torch.equal(got.sid_index, want.sid_index), lens
         torch.testing.assert_close(got.scores, want.scores, atol=1e-4, rtol=1e-4)
-    assert any(key[0] == "prefill" and key[1] == 4 for key in graphs.cache.keys())
+    assert any(isinstance(key, PrefillShape) and key.slots == 4 for key in graphs.cache.keys())
 
 
 def test_a_limit_change_rebuilds_the_staging_once_even_for_eager_prefills(model_dirs, monkeypatch):
@@ -265,24 +311,25 @@ def test_a_limit_change_rebuilds_the_staging_once_even_for_eager_prefills(model_
     limit changes the next batch rebuilds the staging buffer (dropping the graphs), as
     ``needs_capture`` said it would, and later ones capture nothing."""
     engine = _interpreted_engine(model_dirs["qwen2"], 40, monkeypatch)
-    graphs = CudaGraphs(engine.model, max_requests=4)
+    graphs = CudaGraphs(engine.runner, max_requests=4)
     prompts = [[3, 4, 5], [6, 7]]
-    want = _launch(engine.decode_spec, prompts, 8, 8, None).wait()
-    assert graphs.stage(prompts) is None  # eager prefill
+    want = run(engine, prompts)
+    plan = graphs.plan([3, 2], 8, 8, False)
+    assert plan.prefill is None and plan.decode is not None  # eager prefill, graphed search
     for change in (None, 1024, None, None):
         if change:
             graphs.max_prefill_tokens = change
-            assert graphs.needs_capture([3, 2], 8, 8)
-        got = _launch(engine.decode_spec, prompts, 8, 8, graphs).wait()
+            assert graphs.needs_capture(plan, [3, 2])
+        got = run(engine, prompts, graphs)
         assert torch.equal(got.sid_index, want.sid_index)
-        assert not graphs.needs_capture([3, 2], 8, 8)
+        assert not graphs.needs_capture(plan, [3, 2])
     assert graphs.captures == 2  # the decode graph, then again after the rebuild
 
 
 def test_replay_prefill_refuses_inputs_staged_elsewhere():
     model = tiny_model(torch.bfloat16)
-    first, second = CudaGraphs(model), CudaGraphs(model)
-    staged = first.stage([[5, 6, 7, 8]])
+    first, second = graphs_of(model), graphs_of(model)
+    staged = first.stage([[5, 6, 7, 8]], shape(first, [4]))
     with pytest.raises(ValueError, match="stage"):
         second.replay_prefill(staged)  # another CudaGraphs (another lane)
     with pytest.raises(ValueError, match="stage"):

@@ -516,7 +516,7 @@ def test_a_launched_batch_keeps_its_model_error_for_every_collect(model_dirs):
     for _ in range(2):
         with pytest.raises(ModelOutputError, match="no finite log-probability"):
             pending.result()
-    assert engine._lanes.qsize() == engine.lanes  # the lane came back
+    assert engine._lanes._free.qsize() == engine.lanes  # the lane came back
 
 
 def test_warm_up_checks_arguments_and_captures_nothing_on_the_cpu(model_dirs):
@@ -553,6 +553,7 @@ def test_a_batch_whose_graphs_were_dropped_after_its_check_captures_alone(model_
     import xgr.engine.engine as engine_module
     import xgr.engine.results as results_module
     from xgr.engine.generate import PendingGeneration
+    from xgr.engine.lanes import Lane
 
     engine = make_engine(model_dirs, random_catalog(50, 3, 16, seed=17))
     x_checked, y_dropped = threading.Event(), threading.Event()
@@ -562,20 +563,24 @@ def test_a_batch_whose_graphs_were_dropped_after_its_check_captures_alone(model_
         def __init__(self):
             self.lock, self.shapes, self.x_checks = threading.RLock(), {1}, 0
 
-        def needs_capture(self, lens, beam_width, top_k, level_one):
-            missing = len(lens) not in self.shapes
+        def plan(self, lens, beam_width, top_k, together):
+            return len(lens)
+
+        def needs_capture(self, plan, lens):
+            missing = plan not in self.shapes
             if threading.current_thread().name == "X" and self.x_checks == 0:
                 self.x_checks += 1
                 x_checked.set()
                 y_dropped.wait(5)  # Y's pool growth happens right after this check
             return missing
 
-    def launch(spec, prompts, beam_width, top_k, graphs):
+    def launch(spec, prompts, beam_width, top_k, graphs, plan):
         with graphs.lock:
             if threading.current_thread().name == "Y":
                 graphs.shapes = set()  # the pool grew: every graph dropped
             if len(prompts) not in graphs.shapes:
-                captures.append((threading.current_thread().name, engine._gate._capturing))
+                capturing = engine._lanes._gate._capturing
+                captures.append((threading.current_thread().name, capturing))
                 graphs.shapes.add(len(prompts))
             if threading.current_thread().name == "Y":
                 y_dropped.set()
@@ -583,11 +588,11 @@ def test_a_batch_whose_graphs_were_dropped_after_its_check_captures_alone(model_
         return PendingGeneration(empty, empty.float())
 
     monkeypatch.setattr(engine_module, "launch_semantic_ids", launch)
-    engine.graphs, engine._lane_graphs = StandInGraphs(), [StandInGraphs()]
-    engine._streams, engine._depth = [None, None], 2
-    engine._lanes = queue.SimpleQueue()
+    lanes = engine._lanes
+    lanes.lanes = (Lane(0, None, StandInGraphs()), Lane(1, None, StandInGraphs()))
+    lanes.depth, lanes._free = 2, queue.SimpleQueue()
     for lane in (0, 0, 1, 1):
-        engine._lanes.put(lane)
+        lanes._free.put(lanes.lanes[lane])
     monkeypatch.setattr(results_module, "build_result", lambda *args: RecommendResult())
     x = threading.Thread(name="X", target=lambda: engine.recommend_async([[5]], 4, 4, 1))
     y = threading.Thread(
@@ -644,7 +649,7 @@ def test_float_item_ids_in_exclusions_are_refused(model_dirs):
 
 
 def test_streams_on_the_cpu_are_ignored_with_a_warning(model_dirs, caplog):
-    with caplog.at_level("WARNING", logger="xgr.engine.engine"):
+    with caplog.at_level("WARNING", logger="xgr.engine.lanes"):
         engine = make_engine(model_dirs, random_catalog(50, 3, 16, seed=3), cuda_streams=4)
     assert engine.lanes == 1
     assert "cuda_streams=4 ignored on the CPU" in caplog.text

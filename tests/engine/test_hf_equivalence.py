@@ -9,7 +9,6 @@ from transformers import AutoModelForCausalLM
 from tests.conftest import ARCHS, random_catalog, sequential_sid_map
 from tests.hf_oracle import assert_same_semantic_ids, hf_constrained_beam_search
 from xgr import Engine
-from xgr.engine.decode import runs_first_levels_together
 
 NUM_LEVELS, CODEBOOK, OFFSET = 3, 16, 8
 
@@ -26,7 +25,7 @@ def test_equals_hf_beam_search(model_dirs, arch, beam_width):
     search = dict(beam_width=beam_width, top_k=beam_width, num_results=beam_width)
     results = engine.recommend(prompts, **search)
     # Alone, at beam 40 (16 first-level codes) a request's level 1 runs within its prefill.
-    assert runs_first_levels_together(engine.decode_spec, 1, beam_width) == (beam_width == 40)
+    assert engine.runner.first_levels_together(1, beam_width) == (beam_width == 40)
     results += [engine.recommend([prompt], **search)[0] for prompt in prompts]
     for prompt, result in zip(prompts * 2, results, strict=True):
         expected = hf_constrained_beam_search(hf, prompt, catalog, sid_map, beam_width)

@@ -7,12 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from xgr.engine.inputs import (
-    PREFILL_PAD_TOKEN,
-    InputStaging,
-    padding_segments,
-    prepare_inputs,
-)
+from xgr.engine.inputs import PREFILL_PAD_TOKEN, InputStaging, prepare_inputs
+from xgr.runner import PrefillShape
+from xgr.runner.shapes import padding_segments
+
+
+def shape(slots, padded, positions=True):
+    return PrefillShape(slots, padded, padded, reads_positions=positions)
+
 
 VIEWS = ("tokens", "positions", "last_index", "prompt_lens", "cu_seqlens", "cu_seqlens_int32")
 
@@ -62,8 +64,8 @@ def test_staged_inputs_equal_the_packed_ones_and_fill_the_graph_regions(position
     for num, slots, padded in ((8, 8, 512), (3, 8, 256), (1, 1, 64), (5, 8, 300)):
         prompts, lens = random_prompts(rng, num)
         total = sum(lens)
-        key = ("prefill" if positions else "encode", slots, padded, 0)
-        staged = staging.stage(prompts, slots, padded, positions, key)
+        key = shape(slots, padded, positions)
+        staged = staging.stage(prompts, key)
         packed = prepare_inputs(prompts, torch.device("cpu"))
         assert staged.prefill_key == key
         assert staged.cu_seqlens_host == packed.cu_seqlens_host
@@ -89,26 +91,25 @@ def test_staged_inputs_equal_the_packed_ones_and_fill_the_graph_regions(position
 
 def test_staging_refuses_a_batch_beyond_its_graph():
     staging = InputStaging(max_requests=4, max_tokens=128, device=torch.device("cpu"))
-    key = ("prefill", 4, 128, 128)
     with pytest.raises(ValueError, match="do not fit"):
-        staging.stage([[1, 2, 3]] * 5, 4, 128, True, key)  # more prompts than slots
+        staging.stage([[1, 2, 3]] * 5, shape(4, 128))  # more prompts than slots
     with pytest.raises(ValueError, match="do not fit"):
-        staging.stage([[1] * 100, [2] * 40], 4, 128, True, key)  # 140 tokens
+        staging.stage([[1] * 100, [2] * 40], shape(4, 128))  # 140 tokens
     with pytest.raises(ValueError, match="do not fit"):
-        staging.stage([[1]], 4, 256, True, key)  # a bucket above max_tokens
+        staging.stage([[1]], shape(4, 256))  # a bucket above max_tokens
     with pytest.raises(ValueError, match="do not fit"):
-        staging.stage([[1]], 8, 64, True, key)  # more slots than max_requests
+        staging.stage([[1]], shape(8, 64))  # more slots than max_requests
     with pytest.raises(ValueError, match="absent prompt"):
-        staging.stage([[1] * 10], 4, 13, True, key)  # 3 tokens of padding for 3 stand-ins
+        staging.stage([[1] * 10], shape(4, 13))  # 3 tokens of padding for 3 stand-ins
     with pytest.raises(ValueError, match="at least one"):
-        staging.stage([], 4, 128, True, key)
+        staging.stage([], shape(4, 128))
     with pytest.raises(ValueError, match="at least one"):
-        staging.stage([[1, 2], []], 4, 128, True, key)
+        staging.stage([[1, 2], []], shape(4, 128))
 
 
 def test_an_encoder_batch_is_staged_without_positions():
     staging = InputStaging(max_requests=4, max_tokens=128, device=torch.device("cpu"))
-    staged = staging.stage([[1] * 10], 1, 10, False, ("encode", 1, 10, 10))  # no padding
+    staged = staging.stage([[1] * 10], shape(1, 10, positions=False))  # no padding
     assert staged.tokens.tolist() == [1] * 10
     with pytest.raises(ValueError, match="no positions"):
         _ = staged.positions

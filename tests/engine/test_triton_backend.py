@@ -15,8 +15,7 @@ import torch
 
 from tests.conftest import ARCHS, random_catalog, sequential_sid_map
 from xgr import Engine
-from xgr.engine.decode import runs_first_levels_together
-from xgr.engine.generate import _launch
+from xgr.engine.generate import launch_semantic_ids
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -30,14 +29,14 @@ def test_triton_decode_equals_the_torch_path(model_dirs, arch, lengths):
         model_dirs[arch], catalog=catalog, sid_token_ids=sequential_sid_map(3, 16, 40),
         device=device, cuda_graphs=False,
     )  # fmt: skip
-    spec = engine.decode_spec
+    spec, runner = engine.decode_spec, engine.runner
     # One request runs level 1 within its prefill (its code rows take the kernel there).
-    assert runs_first_levels_together(spec, len(lengths), 16) == (len(lengths) == 1)
+    assert runner.first_levels_together(len(lengths), 16) == (len(lengths) == 1)
     gen = torch.Generator().manual_seed(len(lengths))
     prompts = [torch.randint(2, 40, (n,), generator=gen).tolist() for n in lengths]
-    spec.attention_backend = "torch"
-    want = _launch(spec, prompts, 16, 16, None).wait()
-    spec.attention_backend = "triton"
-    got = _launch(spec, prompts, 16, 16, None).wait()
+    runner.attention_backend = "torch"
+    want = launch_semantic_ids(spec, prompts, 16, 16).wait()
+    runner.attention_backend = "triton"
+    got = launch_semantic_ids(spec, prompts, 16, 16).wait()
     assert torch.equal(got.sid_index.cpu(), want.sid_index.cpu())
     torch.testing.assert_close(got.scores.cpu(), want.scores.cpu(), atol=1e-5, rtol=1e-5)

@@ -197,7 +197,7 @@ def test_shared_only_attention_matches_reference(
     [(500, 1), (133, 1), (132, 2), (128, 2), (100, 2), (64, 4), (44, 6), (32, 8), (16, 8)],
 )
 def test_split_count_aims_at_two_programs_per_sm(monkeypatch, programs, splits):
-    """On a 132-SM GPU (an H200): grids past the SMs take one fused launch; smaller ones
+    """On a 132-SM GPU: grids past the SMs take one fused launch; smaller ones
     are split toward two programs per SM, two splits at least, eight at most."""
     monkeypatch.setattr(launch_module, "multiprocessor_count", lambda device: 132)
     assert launch_module.choose_num_splits(programs, torch.device("cuda", 0)) == splits

@@ -21,8 +21,26 @@ from xgr.scheduler import (
 )
 
 
+class Deferred:
+    """A launch whose work runs when its result is asked for (an engine stand-in's)."""
+
+    def __init__(self, work) -> None:
+        self._work = work
+
+    def result(self):
+        return self._work()
+
+
 class RecordingEngine:
     """Stands in for ``Engine``: records each call, answers with the prompt's length."""
+
+    lanes = 1
+    num_levels = 1
+
+    def recommend_async(self, prompts, beam_width, top_k, num_results, exclude_item_ids):
+        search = dict(beam_width=beam_width, top_k=top_k, num_results=num_results,
+                      exclude_item_ids=exclude_item_ids)  # fmt: skip
+        return Deferred(lambda: self.recommend(prompts, **search))
 
     def __init__(self, delay: float = 0.0, fail_on: int | None = None) -> None:
         self.calls: list[tuple[list[list[int]], int, int, list[int]]] = []
@@ -552,6 +570,9 @@ class PipelinedEngine:
     runs the launched batches one after another; ``side_by_side`` (several streams) runs
     each as soon as it is launched.
     """
+
+    lanes = 2
+    num_levels = 1
 
     def __init__(self, seconds: float, side_by_side: bool = False) -> None:
         self.seconds, self.side_by_side = seconds, side_by_side

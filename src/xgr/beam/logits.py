@@ -178,8 +178,8 @@ def code_log_probs(
         logits = hidden.float() @ level_weight.T
     else:
         # The same float32 logits (bf16 x bf16 products are exact in float32, the sums
-        # float32 either way) from one tensor-core GEMM, where the float32 copy of the
-        # hidden rows and cuBLAS's float32 GEMM took ~15 us a level (H200, 256-512 rows).
+        # float32 either way) from one tensor-core GEMM, without a float32 copy of the
+        # hidden rows and cuBLAS's slower float32 GEMM.
         logits = torch.mm(hidden, level_weight.T, out_dtype=torch.float32)
     if hidden.is_cuda:  # one Triton pass after the GEMMs, where torch takes ~35 kernels
         from xgr.kernels.triton_code_log_probs import code_log_probs_from_logits

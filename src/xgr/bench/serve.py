@@ -9,7 +9,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
@@ -22,6 +22,9 @@ from xgr.bench.load import (
     summarize,
 )
 from xgr.core import XgrError
+
+if TYPE_CHECKING:
+    from xgr.engine import Engine
 
 # The latency budget recommendation services hold to (P99, ms), drawn on the plot.
 LATENCY_BUDGET_MS = 200.0
@@ -86,7 +89,7 @@ def http_sender(
 
 
 def engine_sender(
-    batcher: Any, engine: Any, beam_width: int, num_results: int, deadline_ms: int | None
+    batcher: Any, engine: Engine, beam_width: int, num_results: int, deadline_ms: int | None
 ) -> Send:
     """Requests straight into a running ``RequestBatcher`` (the server's path without HTTP).
 
@@ -222,7 +225,7 @@ class LoadPlan:
 
 
 async def bench_in_process(
-    engine: Any,
+    engine: Engine,
     plan: LoadPlan,
     max_batch_size: int,
     max_batch_ms: float | None = None,
@@ -237,7 +240,7 @@ async def bench_in_process(
     batcher = RequestBatcher(
         engine,
         max_batch_size,
-        max_inflight=getattr(engine, "lanes", 1),
+        max_inflight=engine.lanes,
         max_batch_ms=max_batch_ms,
     )
     batcher.start()

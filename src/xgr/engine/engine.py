@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import queue
-import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,8 +19,9 @@ from xgr.core import (
     positive_int,
 )
 from xgr.engine.cuda_graph import CudaGraphs
-from xgr.engine.decode import runs_first_levels_together
 from xgr.engine.generate import launch_semantic_ids
+from xgr.engine.graph_keys import EAGER
+from xgr.engine.lanes import Lane, Lanes
 from xgr.engine.model_folder import load_engine
 from xgr.engine.prompt import (
     PromptFormat,
@@ -33,7 +31,6 @@ from xgr.engine.prompt import (
 )
 from xgr.engine.results import PendingRecommendation, excluded_items, search_params
 from xgr.engine.spec import DecodeSpec
-from xgr.engine.streams import CaptureGate, exclusive_stream
 from xgr.engine.warm_up import capture_lanes
 from xgr.kernels.backend import select_attention_backend
 from xgr.models import CausalLM, T5Seq2SeqLM
@@ -42,9 +39,6 @@ from xgr.models.sid_vocab import (
 )
 
 logger = logging.getLogger(__name__)
-
-# How often a launch waiting for a lane checks whether a launched batch has finished (s).
-LANE_POLL_SECONDS = 0.01
 
 
 Prompt = Sequence[int] | str
@@ -77,6 +71,11 @@ class Engine:
             the device computes the current one, so the device does not wait for the host
             between batches. ``recommend`` is safe to call from ``lanes`` (streams x depth)
             threads at once (the scheduler's ``max_inflight``).
+        first_levels_together: where the beam holds every first-level code of the catalog,
+            run level 1's forward inside the pass before it (decoder-only: a single
+            request's prefill; T5: the decoder's first step), one pass over the weights
+            instead of two; the results are the same. False runs every level after the
+            one before.
 
     Raises:
         XgrError: the code map does not match the catalog or the model's vocabulary.
@@ -95,8 +94,8 @@ class Engine:
         cuda_graphs: bool = True,
         cuda_streams: int = 1,
         pipeline_depth: int = 2,
+        first_levels_together: bool = True,
     ) -> None:
-        encdec = model.is_encoder_decoder
         model.fuse_projections()  # one GEMM where projections read the same input
         self.model = model
         self.catalog = catalog
@@ -112,38 +111,18 @@ class Engine:
         self.trie = catalog.trie.to(self.device)
         self.attention_backend = select_attention_backend(self.device, model.shared_kv_layout[2])
         self.decode_spec = DecodeSpec.build(
-            model, self.trie, self.sid_token_ids, full_vocab, self.attention_backend
-        )
-        cuda = self.device.type == "cuda"
+            model, self.trie, self.sid_token_ids, full_vocab, self.attention_backend,
+            first_levels_together,
+        )  # fmt: skip
+        self.runner = self.decode_spec.runner
         cuda_streams = positive_int("cuda_streams", cuda_streams)
         pipeline_depth = positive_int("pipeline_depth", pipeline_depth)
-        lanes = cuda_streams if cuda else 1
-        if cuda_streams > 1 and not cuda:
-            logger.warning("cuda_streams=%d ignored on the CPU: one batch at a time", cuda_streams)
-        self.graphs = CudaGraphs(model) if cuda_graphs and cuda else None
-        # Streams run batches concurrently. One stream is the one current at construction,
-        # fixed, so that its batches queue in order whichever thread launches them; several
-        # are streams of their own. Lane 0 replays ``self.graphs``, the others their own.
-        self._streams = (
-            [exclusive_stream(self, self.device, "lane") for _ in range(lanes)]
-            if lanes > 1
-            else [torch.cuda.current_stream(self.device) if cuda else None]
-        )
-        self._lane_graphs = [CudaGraphs(model) if cuda_graphs else None for _ in range(lanes - 1)]
-        self._gate = CaptureGate()  # a lane that captures a graph runs alone
-        # A lane is taken for a batch from its launch until its results reach the host; each
-        # stream is pipeline_depth lanes (its batches queue behind each other on the device).
-        self._lanes: queue.SimpleQueue[int] = queue.SimpleQueue()
-        for _ in range(pipeline_depth if cuda else 1):
-            for lane in range(lanes):
-                self._lanes.put(lane)
-        self._depth = pipeline_depth if cuda else 1
-        self._lane_lock = threading.Lock()
-        self._in_flight: dict[int, PendingRecommendation] = {}  # launched, lane still held
-        if not encdec and self.max_prompt_tokens < 1:
+        self._lanes = Lanes(self.runner, self.device, cuda_streams, pipeline_depth, cuda_graphs)
+        if self.max_prompt_tokens < 1:
             raise XgrError(
-                f"max_position_embeddings {model.config.max_position_embeddings} leaves no room "
-                f"for a prompt and {catalog.num_levels} generated codes"
+                f"the model's prompt limit ({self.runner.prompt_limit}) is "
+                f"{self.max_prompt_tokens}: it leaves no room for a prompt and "
+                f"{catalog.num_levels} generated codes"
             )
 
     @classmethod
@@ -166,7 +145,8 @@ class Engine:
             dtype: "float32", "bfloat16" or "float16".
             sid_token_ids: (num_levels, codebook_size) code -> token id map; default found
                 from the folder's tokenizer tokens named like the catalog's codes (``<a_12>``).
-            options: ``full_vocab``, ``cuda_graphs`` and ``cuda_streams``, passed to ``Engine``.
+            options: ``full_vocab``, ``cuda_graphs``, ``cuda_streams``, ``pipeline_depth``
+                and ``first_levels_together``, passed to ``Engine``.
 
         Raises:
             XgrError: unreadable folder or weights, no catalog, a catalog whose fingerprint
@@ -181,7 +161,24 @@ class Engine:
     def lanes(self) -> int:
         """Batches this engine can have in flight at once: ``cuda_streams`` x
         ``pipeline_depth`` on CUDA, else 1."""
-        return len(self._streams) * self._depth
+        return self._lanes.capacity
+
+    @property
+    def graphs(self) -> CudaGraphs | None:
+        """The first lane's CUDA graphs (None: eager)."""
+        return self._lanes.lanes[0].graphs
+
+    def release_graphs(self) -> None:
+        """Drop every lane's CUDA graphs and prompt-KV pool, once the device is done with
+        them; the next batches capture and allocate again (a benchmark's fresh start)."""
+        for lane in self._lanes.lanes:
+            if lane.graphs is not None:
+                lane.graphs.release()
+
+    @property
+    def num_levels(self) -> int:
+        """Codes in a semantic ID: the decode steps of every search."""
+        return self.catalog.num_levels
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -190,9 +187,7 @@ class Engine:
         Decoder-only: positions must cover the generated codes too. T5: the config's
         ``max_prompt_tokens`` (the decoder has positions of its own).
         """
-        if self.model.is_encoder_decoder:
-            return self.model.config.max_prompt_tokens
-        return self.model.config.max_position_embeddings - self.catalog.num_levels + 1
+        return self.runner.max_prompt_tokens
 
     def history_prompt(self, history: Sequence[Any], truncate: bool = False) -> list[int]:
         """The prompt (token ids) for a history of item ids, oldest first.
@@ -215,10 +210,8 @@ class Engine:
     def token_ids(self, prompt: Prompt) -> np.ndarray:
         """``tokenize`` as a new (tokens,) int64 NumPy array, the form the batch packing
         copies to the device. Callers that validate a prompt before queueing it (the server)
-        keep this array: ``recommend`` checks an int64 array in ~15 us for 5000 tokens, a
-        list in ~300 us, and turning the array back into a list cost ~120 us more (2-core
-        CPU). Converting and checking a 5000-token list element by element in Python took
-        about 1 ms of host time per request on the H200 machine.
+        keep this array: checking an array is many times cheaper than a list, whose
+        element-by-element conversion would cost host time on every request.
 
         Raises:
             XgrError: an unusable prompt (``PromptTooLongError`` above the model's limit).
@@ -235,14 +228,9 @@ class Engine:
         if not tokens.size:
             raise XgrError("empty prompt: at least one token is needed")
         if tokens.size > self.max_prompt_tokens:
-            why = (
-                "config.json's n_positions, or xgr's default for T5"
-                if self.model.is_encoder_decoder
-                else "max positions minus generated codes"
-            )
             raise PromptTooLongError(
                 f"prompt of {tokens.size} tokens exceeds the model's limit of "
-                f"{self.max_prompt_tokens} ({why})"
+                f"{self.max_prompt_tokens} ({self.runner.prompt_limit})"
             )
         vocab = self.model.config.vocab_size
         if tokens.min() < 0 or tokens.max() >= vocab:
@@ -303,58 +291,37 @@ class Engine:
         search, params = search_params(len(prompts), beam_width, top_k, num_results)
         tokenized = [self.token_ids(p) for p in prompts]
         excluded = excluded_items(len(prompts), exclude_item_ids)
+        dtype = self.model.lm_head.weight.dtype
         if not tokenized:
-            return PendingRecommendation(self, None, [], [], [], None)
-        lane = self._take_lane()
+            return PendingRecommendation(None, None, [], [], [], self.catalog, self.titles, dtype)
+        hold = self._lanes.take()
         try:
-            pending = self._launch(lane, tokenized, search)
+            pending = self._launch(hold.lane, tokenized, search)
         except BaseException:
-            self._lanes.put(lane)
+            hold.release()
             raise
-        launched = PendingRecommendation(self, pending, tokenized, params, excluded, lane)
         if pending.events is None:  # the CPU: the work is done
-            launched._release()
+            hold.release()
         else:
-            with self._lane_lock:
-                self._in_flight[id(launched)] = launched
-        return launched
+            hold.watch(pending.done)
+        return PendingRecommendation(
+            pending, hold, tokenized, params, excluded, self.catalog, self.titles, dtype
+        )
 
-    def _launch(self, lane: int, tokenized: list[np.ndarray], search: SearchParams):
-        """Queue a batch on a lane: alone (``CaptureGate.exclusive``) if it captures a graph,
-        else beside other launches. With several lanes, whether it captures is checked again
-        under the graphs' lock once the shared gate is held: another batch of the same lane
-        may have dropped graphs (a pool growth) since the first check."""
-        stream = self._streams[lane]
-        graphs = self._lane_graphs[lane - 1] if lane else self.graphs
-        level_one = runs_first_levels_together(self.decode_spec, len(tokenized), search.beam_width)
-        shape = ([len(t) for t in tokenized], search.beam_width, search.top_k, level_one)
-        concurrent = graphs is not None and self.lanes > 1
-        alone = concurrent and graphs.needs_capture(*shape)
-        while True:
-            with (
-                self._gate.exclusive() if alone else self._gate.shared(),
-                torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(),
-                graphs.lock if concurrent else contextlib.nullcontext(),
-            ):
-                if alone or not concurrent or not graphs.needs_capture(*shape):
-                    return launch_semantic_ids(
-                        self.decode_spec, tokenized, search.beam_width, search.top_k, graphs
-                    )
-            alone = True
-
-    def _take_lane(self) -> int:
-        """A free lane; while there is none, batches whose device work has finished give
-        theirs back even if nobody has collected them (a caller that launches more batches
-        than ``lanes`` without collecting waits for the device, not forever)."""
-        while True:
-            try:
-                return self._lanes.get(timeout=LANE_POLL_SECONDS)
-            except queue.Empty:
-                with self._lane_lock:
-                    launched = list(self._in_flight.values())
-                for batch in launched:
-                    if batch._device_done():
-                        batch._release()
+    def _launch(self, lane: Lane, tokenized: list[np.ndarray], search: SearchParams):
+        """Queue a batch on a lane (``Lanes.run``), its graphs planned once."""
+        graphs, width, top_k = lane.graphs, search.beam_width, search.top_k
+        if graphs is None:
+            plan, lens = EAGER, None
+        else:
+            lens = [len(t) for t in tokenized]
+            together = self.runner.first_levels_together(len(tokenized), width)
+            plan = graphs.plan(lens, width, top_k, together)
+        return self._lanes.run(
+            lane,
+            lambda: launch_semantic_ids(self.decode_spec, tokenized, width, top_k, graphs, plan),
+            lambda: graphs.needs_capture(plan, lens),
+        )
 
     def warm_up(
         self,
@@ -393,11 +360,10 @@ class Engine:
             raise PromptTooLongError(
                 f"warm-up prompts of {prompt_tokens} tokens exceed {self.max_prompt_tokens}"
             )
-        lanes = [self.graphs, *self._lane_graphs]
-        if self.device.type != "cuda" or lanes[0] is None:
+        if self.graphs is None:  # the CPU, or no graphs
             return 0
         # Longer prompts are refused at admission: no batch of them needs a graph.
         longest = min(int(prompt_tokens * (1 + spread)), self.max_prompt_tokens)
         shortest = max(1, int(prompt_tokens * (1 - spread)))
         batches = (shortest, longest, max_batch_size)
-        return capture_lanes(self.decode_spec, lanes, self._streams, batches, beam_width, top_k)
+        return capture_lanes(self.decode_spec, self._lanes.lanes, batches, beam_width, top_k)

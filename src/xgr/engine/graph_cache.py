@@ -7,6 +7,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -19,7 +20,7 @@ logger = logging.getLogger(__name__)
 class CapturedGraph:
     graph: torch.cuda.CUDAGraph
     inputs: tuple[torch.Tensor, ...]  # static inputs: staging views, or copied into
-    outputs: tuple[torch.Tensor, ...]  # static outputs, valid until the next replay
+    outputs: Any  # what the captured work returned: static outputs, valid until the next replay
 
 
 class GraphCache:
@@ -66,7 +67,8 @@ class GraphCache:
 
         Args:
             build: () -> (static input tensors, ``run``): the buffers a new graph reads and
-                the work it captures (``run()`` returns the output tensors).
+                the work it captures (``run()`` returns the outputs: tensors, or an object
+                holding them).
             fill: copies this batch into the static inputs, before capture or replay; None
                 where the batch is already there (staged).
         """
@@ -107,9 +109,9 @@ class GraphCache:
             capture_error_mode="thread_local",
         ):
             outputs = run()
-        return self.add(key, graph, inputs, tuple(outputs))
+        return self.add(key, graph, inputs, outputs)
 
-    def add(self, key: Hashable, graph, inputs: tuple, outputs: tuple) -> CapturedGraph:
+    def add(self, key: Hashable, graph, inputs: tuple, outputs: Any) -> CapturedGraph:
         """Keep a captured graph (``graph.replay()`` reruns its work) under ``key``."""
         self.captures += 1
         logger.info("captured CUDA graph %s", key)

@@ -7,8 +7,7 @@ Two layouts of the same int64 values:
 - **staged** (``InputStaging``), for CUDA graphs: one buffer per ``CudaGraphs`` laid out as
   the graphs' static inputs, with room for the largest batch, so that a batch's one copy
   lands where the graphs read and no device-to-device fill runs before a replay (each such
-  copy cost 10-20 us of host time on the H200 machine, and the device waited for them:
-  ``benchmarks/results/host-t5-request-s14-*``).
+  copy costs host time the device waits for: ``docs/performance.md``).
 """
 
 from __future__ import annotations
@@ -20,13 +19,17 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from xgr.kv import BeamKV, SharedKV
+from xgr.runner import PrefillBatch, PrefillShape
+from xgr.runner.shapes import padding_segments
+
 # Token id of a padded prefill's filler tokens (their results are never read).
 PREFILL_PAD_TOKEN = 0
 
 
 class BatchInputs:
     """A batch's inputs on the device: views of one int64 buffer, each made when first read
-    (a view costs ~1.5 us of host time, and an encoder-decoder batch reads few of them).
+    (a view costs host time, and an encoder-decoder batch reads few of them).
 
     Attributes:
         tokens: (T,) int64 packed prompt tokens.
@@ -37,8 +40,8 @@ class BatchInputs:
         cu_seqlens_int32: (R + 1,) int32 prompt offsets (the packed attention launch).
         cu_seqlens_host: the same offsets as host ints.
         max_seqlen: the longest prompt (tokens).
-        prefill_key: the CUDA graph the batch's prefill replays (``CudaGraphs.prefill_key``)
-            when the inputs were staged for it; None for packed inputs.
+        prefill_key: the shape of the CUDA graph the batch's prefill replays when the
+            inputs were staged for it; None for packed inputs.
     """
 
     def __init__(
@@ -47,7 +50,7 @@ class BatchInputs:
         layout: dict[str, tuple[int, int]],
         cu_seqlens_host: list[int],
         max_seqlen: int,
-        prefill_key: tuple | None = None,
+        prefill_key: PrefillShape | None = None,
     ):
         """``buffer``: the device int64 buffer; ``layout``: each attribute's [start, stop)
         in it (``cu_seqlens_int32``'s in int64 elements, holding R + 1 int32 values)."""
@@ -104,6 +107,15 @@ class BatchInputs:
     @functools.cached_property
     def cu_seqlens_int32(self) -> torch.Tensor:
         return self._view("cu_seqlens_int32").view(torch.int32)[: self.num_requests + 1]
+
+    def prefill_batch(self, shared: SharedKV, code_kv: BeamKV | None = None) -> PrefillBatch:
+        """These packed inputs as an eager prefill's ``PrefillBatch`` writing ``shared``
+        (``code_kv``: where level 1's rows write, when they run in the prefill)."""
+        return PrefillBatch(
+            self.tokens, self.positions, shared, self.cu_seqlens_host, self.cu_seqlens_int32,
+            self.max_seqlen, None, self.last_index, self.prompt_lens, self.cu_seqlens,
+            self.cu_seqlens_host, code_kv=code_kv,
+        )  # fmt: skip
 
 
 def _int32_slots(n: int) -> int:
@@ -174,17 +186,6 @@ def prepare_inputs(prompts: Sequence[Sequence[int]], device: torch.device) -> Ba
     return BatchInputs(packed.to(device, non_blocking=True), layout, cu, max(lens))
 
 
-def padding_segments(padding: int, stand_ins: int) -> tuple[int, int]:
-    """Lengths of a packed prefill's padding sequences: ``stand_ins`` of the first value (the
-    absent requests), then one of the second (the rest); padding > stand_ins tokens.
-
-    Spreading the padding keeps every sequence short, so the attention's max-length bound
-    (and with it the grid) follows the real prompts.
-    """
-    seg = padding // (stand_ins + 1)
-    return seg, padding - stand_ins * seg
-
-
 class InputStaging:
     """One device int64 buffer laid out as the CUDA graphs' static inputs; ``stage`` writes a
     batch there with one host-to-device copy.
@@ -247,31 +248,21 @@ class InputStaging:
         """The first ``entries`` int32 offsets of the packed prefill."""
         return self.region("cu_seqlens_int32", _int32_slots(entries))[:entries]
 
-    def stage(
-        self,
-        prompts: Sequence[Sequence[int]],
-        slots: int,
-        padded: int,
-        positions: bool,
-        prefill_key: tuple,
-    ) -> BatchInputs:
-        """Write R non-empty prompts (lists or int64 arrays) for a graph of ``slots``
-        request slots and ``padded`` tokens, in one async copy from pinned memory.
-
-        Args:
-            positions: whether the graph reads positions (decoder-only prefills); an
-                encoder graph reads only the tokens and lengths.
-            prefill_key: the graph's key, kept on the returned inputs.
+    def stage(self, prompts: Sequence[Sequence[int]], shape: PrefillShape) -> BatchInputs:
+        """Write R non-empty prompts (lists or int64 arrays) for a prefill graph of this
+        shape (``shape.slots`` request slots, ``shape.padded_tokens`` tokens, positions if
+        ``shape.reads_positions``), in one async copy from pinned memory.
 
         Returns:
             The batch's inputs as views of this buffer, valid until the next ``stage`` (an
-            encoder's hold no positions).
+            encoder's hold no positions); ``shape`` is their ``prefill_key``.
 
         Raises:
             ValueError: no prompts or an empty one, more prompts than ``slots``, ``slots``
                 above M, more tokens than ``padded``, ``padded`` above ``max_tokens``, or
                 (``positions``) no more padding than absent prompts.
         """
+        slots, padded, positions = shape.slots, shape.padded_tokens, shape.reads_positions
         num = len(prompts)
         lens, cu = _offsets(prompts)
         total = cu[-1]
@@ -329,4 +320,4 @@ class InputStaging:
         }
         if positions:
             layout["positions"] = (start + padded, start + padded + total)
-        return BatchInputs(self.buffer, layout, cu, max(lens), prefill_key)
+        return BatchInputs(self.buffer, layout, cu, max(lens), shape)

@@ -38,6 +38,10 @@ class PromptKVPool:
         """The pool as a batch's ``SharedKV`` with these prompt offsets."""
         return SharedKV(self.k, self.v, cu_seqlens, seqlens, self.token_major)
 
+    def release(self) -> None:
+        """Drop the buffers (the next ``grow`` makes new ones)."""
+        self.k = self.v = self.token_major = None
+
     def grow(self, num_tokens: int) -> None:
         """New buffers of the smallest ``MIN_POOL_TOKENS`` x 2**n tokens >= num_tokens,
         after the device finished with the old ones (a launched batch may read them); the

@@ -13,6 +13,7 @@ import torch
 from xgr.catalog import ItemCatalog
 from xgr.core import ModelOutputError, Recommendation, RecommendResult, SearchParams, XgrError
 from xgr.engine.generate import PendingGeneration
+from xgr.engine.lanes import LaneHold
 
 
 class PendingRecommendation:
@@ -24,18 +25,24 @@ class PendingRecommendation:
 
     def __init__(
         self,
-        engine,  # the Engine that launched the batch
         pending: PendingGeneration | None,
+        hold: LaneHold | None,
         tokenized: list[np.ndarray],
         params: list[SearchParams],
         excluded: list[set[str]],
-        lane: int | None,
+        catalog: ItemCatalog,
+        titles: dict[str, str],
+        dtype: torch.dtype,
     ) -> None:
-        self._engine, self._pending, self._tokenized = engine, pending, tokenized
-        self._params, self._excluded, self._lane = params, excluded, lane
+        """``pending``: the launched batch (None: no prompts); ``hold``: its lane, released
+        once the device is done (None: nothing held); ``dtype``: the model's, named in a
+        broken model's error; the rest as ``build_result`` takes them, one entry per
+        prompt."""
+        self._pending, self._hold, self._tokenized = pending, hold, tokenized
+        self._params, self._excluded = params, excluded
+        self._catalog, self._titles, self._dtype = catalog, titles, dtype
         self._results: list[RecommendResult] | None = [] if pending is None else None
         self._error: BaseException | None = None
-        self._released = pending is None
         self._collecting = threading.Lock()  # one collect, whichever threads ask
 
     def result(self) -> list[RecommendResult]:
@@ -54,31 +61,18 @@ class PendingRecommendation:
             raise self._error
         return self._results
 
-    def _device_done(self) -> bool:
-        return self._pending.done()
-
-    def _release(self) -> None:
-        """Give the batch's lane back (once)."""
-        engine = self._engine
-        with engine._lane_lock:
-            if self._released:
-                return
-            self._released = True
-            engine._in_flight.pop(id(self), None)
-        engine._lanes.put(self._lane)
-
     def _collect(self) -> list[RecommendResult]:
-        engine = self._engine
         try:
             out = self._pending.wait()
         finally:  # the lane is free once the device is done with the batch
-            self._release()
+            if self._hold is not None:
+                self._hold.release()
         sid_index, scores = out.sid_index.numpy(), out.scores.numpy()
         # Every live beam has a valid continuation, so no finite score means NaN or -inf
         # log-probabilities everywhere: a broken model or an overflowing dtype.
         broken = [i for i in range(len(self._tokenized)) if not np.isfinite(scores[i, 0])]
         if broken:
-            dtype = engine.model.lm_head.weight.dtype
+            dtype = self._dtype
             hint = (
                 "check the weights for NaN or infinite values"
                 if dtype == torch.float32
@@ -91,8 +85,8 @@ class PendingRecommendation:
         results = []
         for i, tokens in enumerate(self._tokenized):
             result = build_result(
-                engine.catalog,
-                engine.titles,
+                self._catalog,
+                self._titles,
                 sid_index[i],
                 scores[i],
                 self._params[i].num_results,

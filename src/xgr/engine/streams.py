@@ -4,8 +4,7 @@ by one owner each.
 Why ownership matters: PyTorch keeps one cuBLAS workspace per (handle, stream) for the
 process's life, and a captured GEMM keeps the workspace of the stream it was captured on. Two
 lanes whose graphs were captured on one stream share a workspace and race when replayed at
-once; a capture on a new stream each time leaks 32 MiB (``benchmarks/NOTES.md``, fourteenth
-session).
+once; a capture on a new stream each time leaks a workspace (``docs/performance.md``).
 """
 
 from __future__ import annotations
@@ -23,9 +22,9 @@ from xgr.core import XgrError
 class CaptureGate:
     """Lets batches on several lanes run at once, but a batch that captures a graph alone.
 
-    A capture in progress breaks when another thread launches work meanwhile (seen on the
-    H200: "operation failed due to a previous error during capture", and PyTorch's RNG
-    refusing an offset increment), so a capturing batch waits for the launches in progress
+    A capture in progress breaks when another thread launches work meanwhile ("operation
+    failed due to a previous error during capture", and PyTorch's RNG refusing an offset
+    increment), so a capturing batch waits for the launches in progress
     to end and holds new ones back (no starvation: they wait while a capture is pending);
     work already queued on the device is waited for by the capture itself, which
     synchronizes the device first.
@@ -74,7 +73,7 @@ class _ExclusiveStreams:
     """CUDA streams each held by one owner at a time (an engine's lanes, a ``CudaGraphs``'s
     warm-ups and captures), handed to a later owner once theirs is collected.
 
-    PyTorch keys cuBLAS workspaces (32 MiB each on an H200) by (cuBLAS handle, stream) and
+    PyTorch keys cuBLAS workspaces (tens of MiB each) by (cuBLAS handle, stream) and
     keeps them for the life of the process, and a GEMM captured in a graph keeps the
     workspace of the stream it was captured on. Two streams that are one CUDA stream share a
     workspace, and GEMMs running on both at once race on it; ``torch.cuda.Stream()`` hands

@@ -35,7 +35,7 @@ class PrefillMetadata:
             last-layer outputs are never read.
         first_codes: None, or the decode metadata of rows that follow the prompt tokens in
             the same pass: each request's candidate first codes, one position after its
-            prompt (level 1's forward, ``xgr.engine.decode.runs_first_levels_together``). They
+            prompt (level 1's forward, ``xgr.runner.DecoderRunner.first_levels_together``). They
             write their K/V into slot 0 of ``first_codes.beam`` (row r * W + j for code j of
             request r, W = ``first_codes.beam_width``) and attend over their request's
             prompt and themselves; the forward returns their hidden states after the

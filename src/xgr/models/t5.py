@@ -40,13 +40,10 @@ from xgr.models.t5_small_rows import decode_small_rows, small_rows_kernels
 # The attention of ``encode_padded`` (the encoder's CUDA graph): "triton" (the default), xgr's
 # kernel reading the bias per key - query offset, one value for the key tiles beyond the
 # config's max_distance (head sizes it lacks keep SDPA), or "sdpa", PyTorch SDPA with the
-# square (S, heads, P, P) bias + padding mask. On an H200 (benchmarks/attention.py --encoder,
-# results/attention-encoder-s12-*) the kernel took 23.9 against SDPA's 25.5 us a layer for one
-# 1024-token OneRec-like prompt and 150 against 174 us for eight, and needs no mask (SDPA's
-# took 89 and 405 us to build per encode); SDPA was ahead by 1 us a layer only for eight
-# 256-token prompts, less than the mask it builds. Set it before an engine captures its
-# graphs (captured graphs keep what they ran). Under SDPA, encodes whose square mask would be
-# too large for a graph run eagerly (``engine.graph_keys.MAX_ENCODER_MASK_BYTES``).
+# square (S, heads, P, P) bias + padding mask. The kernel was faster per layer and needs no
+# mask, which SDPA builds per encode (docs/performance.md). Set it before an engine captures
+# its graphs (captured graphs keep what they ran). Under SDPA, encodes whose square mask
+# would be too large for a graph run eagerly (``engine.graph_keys.MAX_GRAPH_WORKSPACE_BYTES``).
 ENCODER_ATTENTION = "triton"
 
 __all__ = ["EncDecDecodeMetadata", "T5Seq2SeqLM"]
@@ -359,8 +356,8 @@ class T5Seq2SeqLM(nn.Module):
         """``compute(table)``, kept for later calls with the same key once the projections
         are fused (the engine's models; see ``fuse_projections``).
 
-        The bucket arithmetic is a few dozen small kernels (about 40 us a decode level in a
-        CUDA graph on the H200) for values that depend on the weights and the position only.
+        The bucket arithmetic is a few dozen small kernels a decode level, for values that
+        depend on the weights and the position only.
         Nothing is kept while a CUDA graph captures: the tensor would live in the graph's
         memory pool, which a later pool growth frees (the engine runs each graph's work
         eagerly once before capturing it, which fills the cache). Moving or casting the

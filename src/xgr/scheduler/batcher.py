@@ -38,9 +38,8 @@ import asyncio
 import logging
 import math
 import time
-from typing import Any
 
-from xgr.core import XgrError, positive_int
+from xgr.core import RecommendationEngine, XgrError, positive_int
 from xgr.scheduler.batch_policy import form_batch, refuse_late
 from xgr.scheduler.metrics import ServingMetrics
 from xgr.scheduler.requests import (
@@ -61,10 +60,11 @@ logger = logging.getLogger(__name__)
 
 
 class RequestBatcher:
-    """Schedules concurrent requests into ``engine.recommend`` calls, run in a worker thread.
+    """Schedules concurrent requests into ``engine.recommend_async`` calls, each launched and
+    collected in worker threads.
 
     Args:
-        engine: an ``xgr.Engine`` (anything with its ``recommend`` signature).
+        engine: an ``xgr.Engine`` (any ``RecommendationEngine``).
         max_batch_size: most requests per engine call.
         metrics: where queue, batch and latency figures go (optional).
         max_batch_tokens: most scheduled tokens (prompt + beam width x levels) per call; a
@@ -81,7 +81,7 @@ class RequestBatcher:
 
     def __init__(
         self,
-        engine: Any,
+        engine: RecommendationEngine,
         max_batch_size: int = 32,
         metrics: ServingMetrics | None = None,
         max_batch_tokens: int = 1 << 20,
@@ -104,8 +104,7 @@ class RequestBatcher:
         self.max_queue = max_queue
         self.max_inflight = max_inflight
         self.metrics = metrics
-        catalog = getattr(engine, "catalog", None)
-        self.levels = catalog.num_levels if catalog is not None else 1
+        self.levels = engine.num_levels
         self.latency = LatencyModel()
         self._waiting = WaitingQueue(self.cost, max_batch_size, max_batch_tokens)
         self._wakeup: asyncio.Event | None = None
@@ -415,15 +414,12 @@ class RequestBatcher:
             num_results=[r.num_results for r in live],
             exclude_item_ids=[r.exclude for r in live],
         )
-        launch = getattr(self.engine, "recommend_async", None)
         try:
-            if launch is None:
-                results = await asyncio.to_thread(self.engine.recommend, *args, **kwargs)
-            else:  # launched, the batch runs while the loop forms and launches the next
-                pending = await asyncio.to_thread(launch, *args, **kwargs)
-                if any(r.recorded for r in live):  # not the warm-up request's compile
-                    self._timeline.record_launch(time.perf_counter() - started)
-                results = await asyncio.to_thread(pending.result)
+            # Launched, the batch runs while the loop forms and launches the next.
+            pending = await asyncio.to_thread(self.engine.recommend_async, *args, **kwargs)
+            if any(r.recorded for r in live):  # not the warm-up request's compile
+                self._timeline.record_launch(time.perf_counter() - started)
+            results = await asyncio.to_thread(pending.result)
         except asyncio.CancelledError:
             if self._closing:  # stop(): the loop itself is being cancelled
                 raise

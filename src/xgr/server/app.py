@@ -112,7 +112,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         config.max_queue,
         # The engine's lanes: its streams (config.streams) x its pipeline depth. More
         # batches in flight would only queue in threads, past the deadline checks.
-        getattr(engine, "lanes", 1),
+        engine.lanes,
         config.max_batch_ms,
     )
     state = {"ready": False, "started": int(time.time())}
