@@ -142,12 +142,12 @@ class PendingResults(Protocol):
 class RecommendationEngine(Protocol):
     """The engine as the scheduler and the benchmarks call it; ``xgr.Engine`` is one.
 
-    ``recommend_async`` returns once the batch's device work is queued; up to ``lanes``
-    batches may be in flight at once (each call from its own thread).
+    ``recommend_async`` returns once the batch's device work is queued; up to
+    ``max_in_flight`` batches may be in flight at once (each call from its own thread).
     """
 
     @property
-    def lanes(self) -> int:
+    def max_in_flight(self) -> int:
         """Batches the engine can have in flight at once."""
         ...
 

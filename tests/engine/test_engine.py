@@ -480,7 +480,7 @@ def test_concurrent_calls_on_lanes_equal_calls_one_by_one(model_dirs):
 
     catalog = random_catalog(300, 3, 16, seed=12)
     engine = make_engine(model_dirs, catalog, cuda_streams=2)
-    assert engine.lanes == 1  # the CPU has one lane whatever is asked
+    assert engine.max_in_flight == 1  # the CPU runs one batch whatever is asked
     batches = [random_prompts([5, 9], seed=s) for s in range(6)]
     alone = [engine.recommend(b, beam_width=8, top_k=8, num_results=8) for b in batches]
     with ThreadPoolExecutor(3) as pool:
@@ -516,7 +516,7 @@ def test_a_launched_batch_keeps_its_model_error_for_every_collect(model_dirs):
     for _ in range(2):
         with pytest.raises(ModelOutputError, match="no finite log-probability"):
             pending.result()
-    assert engine._lanes._free.qsize() == engine.lanes  # the lane came back
+    assert engine._lanes._free.qsize() == engine.max_in_flight  # the lane came back
 
 
 def test_warm_up_checks_arguments_and_captures_nothing_on_the_cpu(model_dirs):
@@ -651,5 +651,5 @@ def test_float_item_ids_in_exclusions_are_refused(model_dirs):
 def test_streams_on_the_cpu_are_ignored_with_a_warning(model_dirs, caplog):
     with caplog.at_level("WARNING", logger="xgr.engine.lanes"):
         engine = make_engine(model_dirs, random_catalog(50, 3, 16, seed=3), cuda_streams=4)
-    assert engine.lanes == 1
+    assert engine.max_in_flight == 1
     assert "cuda_streams=4 ignored on the CPU" in caplog.text

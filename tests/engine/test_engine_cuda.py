@@ -267,7 +267,7 @@ def test_two_streams_run_batches_concurrently_with_the_same_results(model_dirs):
     two = Engine.from_pretrained(
         model_dirs["qwen2"], catalog, device="cuda", sid_token_ids=sid_map, cuda_streams=2
     )
-    assert (one.lanes, two.lanes) == (2, 4)  # streams x pipeline depth 2
+    assert (one.max_in_flight, two.max_in_flight) == (2, 4)  # streams x pipeline depth 2
     gen = torch.Generator().manual_seed(14)
     batches = [[torch.randint(0, 96, (n,), generator=gen).tolist()] for n in range(5, 60, 5)]
     expected = [sid_lists(one.recommend(b, 16, 16, 16)) for b in batches]

@@ -34,7 +34,7 @@ class Deferred:
 class RecordingEngine:
     """Stands in for ``Engine``: records each call, answers with the prompt's length."""
 
-    lanes = 1
+    max_in_flight = 1
     num_levels = 1
 
     def recommend_async(self, prompts, beam_width, top_k, num_results, exclude_item_ids):
@@ -571,7 +571,7 @@ class PipelinedEngine:
     each as soon as it is launched.
     """
 
-    lanes = 2
+    max_in_flight = 2
     num_levels = 1
 
     def __init__(self, seconds: float, side_by_side: bool = False) -> None:

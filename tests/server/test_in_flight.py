@@ -27,7 +27,7 @@ class TwoLanes:
     """An engine whose launched batches run side by side, each finishing after a random
     pause, so a later batch often ends before an earlier one."""
 
-    lanes = 2
+    max_in_flight = 2
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -59,7 +59,7 @@ class TwoLanes:
 def served_engine(model_dir) -> Engine | TwoLanes:
     if torch.cuda.is_available():
         engine = Engine.from_pretrained(model_dir, device="cuda", dtype="float32")
-        assert engine.lanes == 2  # one stream, two batches queued on it
+        assert engine.max_in_flight == 2  # one stream, two batches queued on it
         return engine
     return TwoLanes(Engine.from_pretrained(model_dir))
 

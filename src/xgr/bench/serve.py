@@ -240,7 +240,7 @@ async def bench_in_process(
     batcher = RequestBatcher(
         engine,
         max_batch_size,
-        max_inflight=engine.lanes,
+        max_inflight=engine.max_in_flight,
         max_batch_ms=max_batch_ms,
     )
     batcher.start()

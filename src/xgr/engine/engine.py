@@ -69,7 +69,7 @@ class Engine:
         pipeline_depth: on CUDA, batches launched per stream before the first is collected
             (``recommend_async``): with 2, the host prepares and queues the next batch while
             the device computes the current one, so the device does not wait for the host
-            between batches. ``recommend`` is safe to call from ``lanes`` (streams x depth)
+            between batches. ``recommend`` is safe to call from ``max_in_flight`` (streams x depth)
             threads at once (the scheduler's ``max_inflight``).
         first_levels_together: where the beam holds every first-level code of the catalog,
             run level 1's forward inside the pass before it (decoder-only: a single
@@ -158,9 +158,9 @@ class Engine:
         )  # fmt: skip
 
     @property
-    def lanes(self) -> int:
+    def max_in_flight(self) -> int:
         """Batches this engine can have in flight at once: ``cuda_streams`` x
-        ``pipeline_depth`` on CUDA, else 1."""
+        ``pipeline_depth`` on CUDA, else 1 (the scheduler's ``max_inflight``)."""
         return self._lanes.capacity
 
     @property
@@ -280,7 +280,7 @@ class Engine:
     ) -> PendingRecommendation:
         """``recommend``, returning once the batch's device work is queued (on CUDA; on the
         CPU once it is done). Arguments and input errors as ``recommend``; blocks while
-        ``lanes`` batches are in flight.
+        ``max_in_flight`` batches are in flight.
 
         Returns:
             A ``PendingRecommendation``; its ``result()`` waits for the device and gives

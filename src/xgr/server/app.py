@@ -110,9 +110,9 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         metrics,
         config.max_batch_tokens,
         config.max_queue,
-        # The engine's lanes: its streams (config.streams) x its pipeline depth. More
+        # The engine's batches in flight: its streams (config.streams) x its pipeline depth. More
         # batches in flight would only queue in threads, past the deadline checks.
-        engine.lanes,
+        engine.max_in_flight,
         config.max_batch_ms,
     )
     state = {"ready": False, "started": int(time.time())}
