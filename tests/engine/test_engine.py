@@ -642,6 +642,33 @@ def test_code_token_maps_must_be_integers_and_one_token_per_code(model_dirs):
     Engine.from_pretrained(model_dirs["qwen2"], catalog, sid_token_ids=same)
 
 
+def test_an_unused_code_on_a_used_code_token_does_not_hide_it(model_dirs):
+    # Level 0 uses codes 1 and 2; unused code 0 maps to code 1's token.
+    codes = np.array([[1, 0], [1, 1], [2, 0], [2, 1]])
+    catalog = ItemCatalog.from_codes([f"i{i}" for i in range(4)], codes, 4)
+    shared = sequential_sid_map(2, 4, OFFSET)
+    shared[0, 0] = shared[0, 1]
+    unused = shared.copy()
+    unused[0, 0] = -1
+    search = dict(beam_width=4, top_k=4, num_results=4)
+    got, want = (
+        Engine.from_pretrained(model_dirs["qwen2"], catalog, sid_token_ids=table).recommend(
+            [[5, 6, 7]], **search
+        )[0]
+        for table in (shared, unused)
+    )
+    assert got.complete and len(got.semantic_ids) == 4
+    assert got.semantic_ids == want.semantic_ids
+
+
+def test_engine_switches_must_be_bools(model_dirs):
+    catalog = random_catalog(50, 3, 16, seed=4)
+    for option in ("full_vocab", "cuda_graphs", "first_levels_together"):
+        for value in (None, 0, "no"):
+            with pytest.raises(XgrError, match=f"{option} must be True or False"):
+                make_engine(model_dirs, catalog, **{option: value})
+
+
 def test_float_item_ids_in_exclusions_are_refused(model_dirs):
     engine = make_engine(model_dirs, random_catalog(100, 3, 16, seed=2))
     with pytest.raises(XgrError, match=r"exclude_item_ids\[0\] holds 181.0"):

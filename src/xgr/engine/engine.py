@@ -78,7 +78,9 @@ class Engine:
             one before.
 
     Raises:
-        XgrError: the code map does not match the catalog or the model's vocabulary.
+        XgrError: the code map does not match the catalog or the model's vocabulary, or an
+            option is out of its range (``full_vocab``, ``cuda_graphs`` and
+            ``first_levels_together`` must be bools).
     """
 
     def __init__(
@@ -96,6 +98,13 @@ class Engine:
         pipeline_depth: int = 2,
         first_levels_together: bool = True,
     ) -> None:
+        for option, value in (
+            ("full_vocab", full_vocab),
+            ("cuda_graphs", cuda_graphs),
+            ("first_levels_together", first_levels_together),
+        ):
+            if not isinstance(value, bool):
+                raise XgrError(f"{option} must be True or False, got {value!r}")
         model.fuse_projections()  # one GEMM where projections read the same input
         self.model = model
         self.catalog = catalog

@@ -83,7 +83,8 @@ def validate_sid_token_ids(table: Any, catalog: ItemCatalog, vocab_size: int) ->
         vocab_size: the model's vocabulary size.
 
     Returns:
-        The table as (num_levels, codebook_size) int64.
+        The table as (num_levels, codebook_size) int64; unused codes that map to the token
+        of a used code of their level are given -1.
 
     Raises:
         XgrError: not integers; levels differ from the catalog's; the codebook is smaller
@@ -130,4 +131,8 @@ def validate_sid_token_ids(table: Any, catalog: ItemCatalog, vocab_size: int) ->
                 f"codes {a} and {b} of level {level} both map to token id {token}: each code "
                 "needs its own token"
             )
+        # An unused code on a used code's token would take that token's place in the
+        # level's normalizer (the first code of a token counts); it can never be chosen.
+        shared = ~used[level] & np.isin(table[level], table[level, codes])
+        table[level, shared] = -1
     return table
