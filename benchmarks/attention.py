@@ -10,7 +10,7 @@ parent vs reading through the ancestry index) and measures the GPU's copy bandwi
 bf16 matrix rate in the same run. Kernel times are device times per call from CUDA-graph
 replays (as the engine's decode runs); the "eager" column is the same call launched from
 Python, host launch cost included. ``--sweep`` times tile/split choices on two shapes;
-``--profile-launch`` only runs the launches, for Nsight Compute (``gpu_session.sh ncu``);
+``--profile-launch`` only runs the launches, for Nsight Compute (``gpu_phases.sh ncu``);
 ``--prefill`` times the packed causal prefill attention (xgr's packed Triton kernel, which
 the engine uses for several prompts, against PyTorch's packed flash attention and SDPA per
 prompt); ``--encoder`` the T5 encoder attention (xgr's Triton kernel with the position bias
@@ -458,7 +458,7 @@ def main() -> None:
         "--profile-launch",
         action="store_true",
         help="only run xgr's default launch 3 times per configuration, untimed and without "
-        "graphs, for a kernel profiler (gpu_session.sh ncu); writes no JSON",
+        "graphs, for a kernel profiler (gpu_phases.sh ncu); writes no JSON",
     )
     parser.add_argument("--prompt-lens", type=int, nargs="*", default=PROMPT_LENGTHS)
     parser.add_argument("--beam-widths", type=int, nargs="*", default=BEAM_WIDTHS)

@@ -3,20 +3,20 @@
 # Results go to $OUT (default /tmp/xgr-gpu); copy the JSON worth keeping into
 # benchmarks/results/ as topic[-variant]-DATE-DEVICE.json (docs/performance.md).
 #
-#   bash benchmarks/gpu_session.sh tests       # GPU-only tests (kernels, graphs, streams)
-#   bash benchmarks/gpu_session.sh attention   # decode attention table
-#   bash benchmarks/gpu_session.sh ncu         # Nsight Compute counters of the decode attention
-#   bash benchmarks/gpu_session.sh prefill     # prefill attention: Triton, flash varlen, SDPA;
+#   bash benchmarks/gpu_phases.sh tests       # GPU-only tests (kernels, graphs, streams)
+#   bash benchmarks/gpu_phases.sh attention   # decode attention table
+#   bash benchmarks/gpu_phases.sh ncu         # Nsight Compute counters of the decode attention
+#   bash benchmarks/gpu_phases.sh prefill     # prefill attention: Triton, flash varlen, SDPA;
 #                                               T5 encoder attention: Triton, SDPA + mask
-#   bash benchmarks/gpu_session.sh e2e         # whole-request latency table + HF
-#   bash benchmarks/gpu_session.sh profile     # kernel time of one request (L=1000, 5000)
-#   bash benchmarks/gpu_session.sh t5          # T5 shapes: one request, xgr vs HF (+ profile)
-#   bash benchmarks/gpu_session.sh bf16        # top-10 agreement, bf16 vs float32, demo models
+#   bash benchmarks/gpu_phases.sh e2e         # whole-request latency table + HF
+#   bash benchmarks/gpu_phases.sh profile     # kernel time of one request (L=1000, 5000)
+#   bash benchmarks/gpu_phases.sh t5          # T5 shapes: one request, xgr vs HF (+ profile)
+#   bash benchmarks/gpu_phases.sh bf16        # top-10 agreement, bf16 vs float32, demo models
 #                                               (carry the demo cache: cp -r ~/.cache/xgr/demo
 #                                               .carry/demo, with /.carry/ in .git/info/exclude)
-#   bash benchmarks/gpu_session.sh serving 0   # req/s within P99 200 ms, batching vs not
+#   bash benchmarks/gpu_phases.sh serving 0   # req/s within P99 200 ms, batching vs not
 #                                               (one config of serving_throughput.py each)
-#   bash benchmarks/gpu_session.sh http        # the HTTP server's tests on CUDA, then
+#   bash benchmarks/gpu_phases.sh http        # the HTTP server's tests on CUDA, then
 #                                               http_serving.py (HTTP vs in-process, fairness,
 #                                               overload); needs the HTTP stack's wheels
 #                                               installed on PYTHONPATH first
