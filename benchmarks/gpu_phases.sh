@@ -29,7 +29,7 @@ mkdir -p "$OUT"
 case "${1:?phase: tests|attention|ncu|prefill|e2e|profile|t5|bf16|serving|http}" in
   tests)
     # The engine's GPU tests; the HTTP server's run in the http phase, which needs its wheels.
-    # Eight pytest-xdist workers (pytest-xdist is on the GPU image, not in the dev extra)
+    # Eight pytest-xdist workers (pytest-xdist, installed apart from the dev extra)
     # compile the kernels in parallel; the scheduler's timing tests run alone.
     timeout 330 python3 -m pytest -q -n 8 -rs tests/kernels tests/beam tests/engine \
       tests/models tests/runner 2>&1 | grep -v "^\.*$" | tail -20
