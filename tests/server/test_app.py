@@ -91,10 +91,10 @@ def test_exclude_history(client):
     assert kept["complete"] and excluded["complete"]
 
 
-def test_response_says_when_exclusions_leave_too_few_results(client):
+def test_exclusions_of_the_best_beams_are_refilled_inside_the_search(client):
     # The prompt holds the 20 most recent items; older ones are still excluded. Prepending
-    # the items of both final beams (beam 2) to the history leaves the prompt, and so the
-    # beams, unchanged, and excludes every item they hold.
+    # the items of both final beams (beam 2) to the history leaves the prompt unchanged and
+    # excludes every item they hold: the search finds two other semantic IDs instead.
     recent = [f"item{i}" for i in range(20)]
     body = {"history": recent, "beam_width": 2, "num_results": 2, "exclude_history": False}
     top = client.post("/v1/recommend", json=body).json()
@@ -104,8 +104,10 @@ def test_response_says_when_exclusions_leave_too_few_results(client):
     answer = client.post("/v1/recommend", json=body)
     assert answer.status_code == 200
     excluded = set(beams_items + recent)
-    assert not excluded & {i["item_id"] for i in answer.json()["items"]}
-    assert answer.json()["complete"] is False
+    got = answer.json()
+    assert not excluded & {i["item_id"] for i in got["items"]}
+    assert got["complete"] is True and len({i["semantic_id"] for i in got["items"]}) == 2
+    assert not {i["semantic_id"] for i in got["items"]} & {i["semantic_id"] for i in top["items"]}
 
 
 def test_long_history_is_capped_by_the_prompt_format(client):

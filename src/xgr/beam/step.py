@@ -65,6 +65,7 @@ def constrained_beam_step(
     level_token_ids: torch.Tensor | None,
     beam_width: int,
     top_k: int,
+    allowed: torch.Tensor | None = None,
 ) -> BeamState:
     """Extend every beam by one code and keep the best ``beam_width`` per request.
 
@@ -83,13 +84,15 @@ def constrained_beam_step(
             log_probs is already indexed by code.
         beam_width: beams kept per request.
         top_k: candidates each beam contributes to its request's pool.
+        allowed: (R, level.num_children) bool, the children each request may take (its item
+            rules, ``xgr.catalog.rules.CatalogMasks``); None: every child.
 
     Returns:
         The new beams, (R, beam_width) each, best first; rows beyond the number of valid
         candidates have score -inf.
     """
     if log_probs.is_cuda and level_token_ids is None:
-        return constrained_beam_step_triton(state, log_probs, level, beam_width, top_k)
+        return constrained_beam_step_triton(state, log_probs, level, beam_width, top_k, allowed)
     num_requests, prev_beams, vocab = log_probs.shape
     codes, children, valid = level.expand(state.nodes.reshape(-1))  # [R * B_prev, W]
     width = codes.shape[1]
@@ -100,6 +103,7 @@ def constrained_beam_step(
     cand = log_probs.reshape(-1, vocab).gather(1, index) + state.scores.reshape(-1, 1)
     # NaN (a numerically broken model) must not win a place: such candidates are dropped.
     cand = cand.masked_fill(~valid | torch.isnan(cand), NEG_INF)
+    cand = _mask_children(cand, children, allowed)
     if top_k >= width:
         # Every candidate of a beam may enter the pool: one top-k over the request's pool
         # selects the same beams without first sorting each beam's candidates.
@@ -130,7 +134,12 @@ def constrained_beam_step(
 
 
 def constrained_beam_step_triton(
-    state: BeamState, log_probs: torch.Tensor, level: TrieLevel, beam_width: int, top_k: int
+    state: BeamState,
+    log_probs: torch.Tensor,
+    level: TrieLevel,
+    beam_width: int,
+    top_k: int,
+    allowed: torch.Tensor | None = None,
 ) -> BeamState:
     """``constrained_beam_step`` on code log-probabilities with Triton kernels.
 
@@ -156,6 +165,9 @@ def constrained_beam_step_triton(
     cand = score_candidates(
         log_probs.reshape(-1, num_codes), nodes, state.scores.reshape(-1), level
     )
+    if allowed is not None:
+        _, children, _ = level.expand(nodes)
+        cand = _mask_children(cand, children, allowed)
     width = cand.shape[1]
     if top_k >= width:
         k, slot = width, None
@@ -181,6 +193,22 @@ def constrained_beam_step_triton(
         flat = flat.gather(1, order)
     new_nodes, codes, parents = gather_selected(flat, slot, scores, nodes, level, k)
     return _pad_beams(BeamState(scores, new_nodes, codes, parents), beam_width)
+
+
+def _mask_children(
+    cand: torch.Tensor, children: torch.Tensor, allowed: torch.Tensor | None
+) -> torch.Tensor:
+    """-inf for the candidates whose child node the request may not take.
+
+    Args:
+        cand: (R * B_prev, W) float32 candidate scores.
+        children: (R * B_prev, W) int64 child node of each candidate (in range).
+        allowed: (R, num_children) bool, or None (``cand`` returned as it is).
+    """
+    if allowed is None:
+        return cand
+    ok = allowed.gather(1, children.reshape(allowed.shape[0], -1)).view_as(cand)
+    return cand.masked_fill(~ok, NEG_INF)
 
 
 def _pad_beams(state: BeamState, beam_width: int) -> BeamState:

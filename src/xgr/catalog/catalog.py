@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from xgr.catalog.attributes import ItemAttributes, load_attributes
 from xgr.catalog.trie import PrefixTrie, build_prefix_trie
 from xgr.core import XgrError, read_json
 
@@ -35,6 +36,8 @@ class ItemCatalog:
         semantic_ids: (num_semantic_ids, num_levels) int64 distinct semantic IDs, sorted
             lexicographically; trie leaves are numbered by these rows.
         sid_of_item: (num_items,) int64 row of ``semantic_ids`` for each item.
+        attributes: the items' attributes that request filters read (``load_attributes``);
+            None until loaded.
     """
 
     def __init__(
@@ -88,6 +91,7 @@ class ItemCatalog:
         self.level_names = names
         self.semantic_ids, sid_of_item = np.unique(codes, axis=0, return_inverse=True)
         self.sid_of_item = sid_of_item.reshape(-1).astype(np.int64)
+        self.attributes: ItemAttributes | None = None
         # Items of each semantic ID, in catalog order (stable sort keeps it).
         order = np.argsort(self.sid_of_item, kind="stable")
         self._sid_item_order = order
@@ -118,17 +122,43 @@ class ItemCatalog:
         return cls(item_ids, codes, codebook_size, level_names)
 
     @classmethod
-    def from_index_json(cls, path: str | Path, codebook_size: int | None = None) -> ItemCatalog:
+    def from_index_json(
+        cls,
+        path: str | Path,
+        codebook_size: int | None = None,
+        attributes: str | Path | None = None,
+    ) -> ItemCatalog:
         """Load the common index format ``{"<item_id>": ["<a_236>", "<b_231>", ...], ...}``.
 
         Args:
             path: the JSON file.
             codebook_size: codes per level; default the largest code + 1.
+            attributes: a CSV or JSON-lines table of item attributes to load with it
+                (``load_attributes``).
 
         Raises:
             XgrError: unreadable JSON, malformed code strings, level letters that differ
-                between items, ragged code lengths, and every error of ``from_codes``.
+                between items, ragged code lengths, every error of ``from_codes``, and those
+                of ``load_attributes``.
         """
+        catalog = cls._from_index_json(path, codebook_size)
+        if attributes is not None:
+            catalog.load_attributes(attributes)
+        return catalog
+
+    def load_attributes(self, path: str | Path) -> ItemAttributes:
+        """Read the items' attributes from a table keyed by item id (CSV with a header whose
+        first column is the item id, or JSON lines with ``"item_id"``), for request filters;
+        the columns are typed string, int, float or bool (``xgr.catalog.attributes``).
+
+        Raises:
+            XgrError: an unreadable or malformed table.
+        """
+        self.attributes = load_attributes(path, self.item_index)
+        return self.attributes
+
+    @classmethod
+    def _from_index_json(cls, path: str | Path, codebook_size: int | None) -> ItemCatalog:
         try:
             raw = read_json(path, object_pairs_hook=_unique_keys)
         except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad UTF-8 or JSON

@@ -39,6 +39,8 @@ class TrieLevel:
         child_table: dense layout, (num_parents, codebook_size) int32, child id or -1; or None.
         row_ptr: CSR layout, (num_parents + 1,) int64; or None.
         child_code: CSR layout, (num_children,) int64 code of each child; or None.
+        child_parent: (num_children,) int64 parent node of each child (either layout): how
+            a per-request mask of the children reaches their parents.
     """
 
     num_parents: int
@@ -47,6 +49,7 @@ class TrieLevel:
     child_table: torch.Tensor | None
     row_ptr: torch.Tensor | None
     child_code: torch.Tensor | None
+    child_parent: torch.Tensor | None = None
 
     @property
     def is_dense(self) -> bool:
@@ -94,6 +97,7 @@ class TrieLevel:
             move(self.child_table),
             move(self.row_ptr),
             move(self.child_code),
+            move(self.child_parent),
         )
 
 
@@ -153,13 +157,20 @@ def build_prefix_trie(
         child_code = semantic_ids[first_sid, depth]
         row_ptr = np.searchsorted(child_parent, np.arange(num_parents + 1))
         max_children = int(np.max(np.diff(row_ptr)))
+        parent_of = torch.from_numpy(child_parent.astype(np.int64))
         if num_parents * codebook_size <= dense_max_entries:
             table = np.full((num_parents, codebook_size), -1, dtype=np.int32)
             table[child_parent, child_code] = np.arange(num_children, dtype=np.int32)
             levels.append(
                 TrieLevel(
-                    num_parents, num_children, max_children, torch.from_numpy(table), None, None
-                )
+                    num_parents,
+                    num_children,
+                    max_children,
+                    torch.from_numpy(table),
+                    None,
+                    None,
+                    parent_of,
+                )  # fmt: skip
             )
         else:
             levels.append(
@@ -170,6 +181,7 @@ def build_prefix_trie(
                     None,
                     torch.from_numpy(row_ptr.astype(np.int64)),
                     torch.from_numpy(child_code.astype(np.int64)),
+                    parent_of,
                 )
             )
     return PrefixTrie(tuple(levels), codebook_size)

@@ -82,7 +82,13 @@ class CudaGraphs:
         self._code_kv: BeamKV | None = None
 
     def plan(
-        self, prompt_lens: list[int], beam_width: int, top_k: int, together: bool, log=True
+        self,
+        prompt_lens: list[int],
+        beam_width: int,
+        top_k: int,
+        together: bool,
+        log: bool = True,
+        filtered: bool = False,
     ) -> GraphPlan:
         """Which graphs a batch of prompts of these lengths (tokens) replays; with ``log``,
         a line says why a part runs eagerly (none for prefills the model never graphs, such
@@ -91,6 +97,7 @@ class CudaGraphs:
         Args:
             together: level 1's forward runs in the pass before it for this batch
                 (``ModelRunner.first_levels_together``).
+            filtered: some request of the batch has item rules (``DecodeGraphKey.filtered``).
         """
         num = len(prompt_lens)
         if num > self.max_requests:
@@ -101,7 +108,7 @@ class CudaGraphs:
                     self.max_requests,
                 )
             return GraphPlan(None, None)
-        decode = DecodeGraphKey(num, beam_width, top_k, together)
+        decode = DecodeGraphKey(num, beam_width, top_k, together, filtered)
         shape = self.runner.prefill_shape(prompt_lens, self.max_requests, together)
         if shape is None:
             return GraphPlan(None, decode)
@@ -248,7 +255,12 @@ class CudaGraphs:
         return (batch.tokens,), lambda: self.runner.prefill(batch)
 
     def replay_decode(
-        self, spec: DecodeSpec, key: DecodeGraphKey, inputs: BatchInputs, prefilled: Prefilled
+        self,
+        spec: DecodeSpec,
+        key: DecodeGraphKey,
+        inputs: BatchInputs,
+        prefilled: Prefilled,
+        allowed: tuple[torch.Tensor, ...] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the search of a prefilled batch from its key's graph.
 
@@ -259,6 +271,8 @@ class CudaGraphs:
             prefilled: the batch's prefill output, from a graph or eager; its level 1's
                 K/V, where they ran, must be ``code_kv``'s (the graphs read it at its
                 address).
+            allowed: the batch's trie masks (``LevelBatch.allowed``), exactly when
+                ``key.filtered``; copied into the graph's own.
 
         Returns:
             nodes, scores: (R, beam_width) graph-owned outputs; copy them before the next call.
@@ -269,10 +283,13 @@ class CudaGraphs:
         """
         if prefilled.code_kv is not None and prefilled.code_kv is not self._code_kv:
             raise ValueError("level 1's K/V must be this object's code_kv()")
+        if key.filtered != (allowed is not None):
+            raise ValueError("replay_decode needs the trie masks exactly when key.filtered")
+        masks = tuple(allowed or ())
         # Made again here after a limit changed, as ``needs_capture`` predicts, also for an
         # eagerly prefilled batch.
         staging = self._staging_buffer()
-        batch_inputs = (*prefilled.tensors(), inputs.prompt_lens, inputs.cu_seqlens)
+        batch_inputs = (*prefilled.tensors(), *masks, inputs.prompt_lens, inputs.cu_seqlens)
 
         def build():
             # The offsets and lengths are the staging buffer's (a staged batch's own, no
@@ -280,10 +297,11 @@ class CudaGraphs:
             # prefill graph).
             num = key.requests
             static = prefilled.like()
+            static_masks = tuple(torch.empty_like(m) for m in masks)
             offsets = staging.region("cu_seqlens", num + 1)
             batch = LevelBatch(
                 self._prompt_kv.view(offsets, []), staging.region("prompt_lens", num),
-                inputs.cu_seqlens_host,
+                inputs.cu_seqlens_host, static_masks or None,
             )  # fmt: skip
 
             def run():
@@ -291,7 +309,7 @@ class CudaGraphs:
                     spec, batch, static, key.beam_width, key.top_k, key.first_levels_together
                 )
 
-            return (*static.tensors(), batch.prompt_lens, offsets), run
+            return (*static.tensors(), *static_masks, batch.prompt_lens, offsets), run
 
         def fill(static):
             if len(static) != len(batch_inputs):

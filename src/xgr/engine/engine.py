@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from xgr.catalog import ItemCatalog, TitleIndex
+from xgr.catalog.rules import CatalogMasks, request_rules
 from xgr.core import (
     PromptTooLongError,
     RecommendResult,
@@ -29,7 +30,7 @@ from xgr.engine.prompt import (
     refuse_unencodable_text,
     refuse_unknown_pieces,
 )
-from xgr.engine.results import PendingRecommendation, excluded_items, search_params
+from xgr.engine.results import PendingRecommendation, search_params
 from xgr.engine.spec import DecodeSpec
 from xgr.engine.warm_up import capture_lanes
 from xgr.kernels.backend import select_attention_backend
@@ -118,6 +119,7 @@ class Engine:
         self.sid_token_ids = torch.from_numpy(table).to(self.device)
         self._sid_token_ids_host = table
         self.trie = catalog.trie.to(self.device)
+        self.catalog_masks = CatalogMasks(catalog, self.trie)
         self.attention_backend = select_attention_backend(self.device, model.shared_kv_layout[2])
         self.decode_spec = DecodeSpec.build(
             model, self.trie, self.sid_token_ids, full_vocab, self.attention_backend,
@@ -252,31 +254,42 @@ class Engine:
         beam_width: int = 64,
         top_k: int = 64,
         num_results: int | Sequence[int] = 10,
-        exclude_item_ids: Sequence[Iterable[Any]] | None = None,
+        exclude_item_ids: Sequence[Iterable[Any] | None] | None = None,
+        allow_item_ids: Sequence[Iterable[Any] | None] | None = None,
+        item_filter: Sequence[dict | None] | None = None,
     ) -> list[RecommendResult]:
-        """Recommend items for each prompt.
+        """Recommend items for each prompt, within each prompt's item rules.
 
         Args:
             prompts: token-id lists, or strings when the model folder has a tokenizer.
             beam_width: beams kept per decode step.
             top_k: candidates per beam per step.
             num_results: semantic IDs returned per prompt (one int, or one per prompt), best
-                first; each brings all its (non-excluded) items, so collisions can make
-                ``items`` longer.
-            exclude_item_ids: per prompt, item ids to leave out of ``items`` (e.g. the
-                history); semantic IDs whose items are all excluded are skipped and the next
-                best of the beam_width final beams are taken instead.
+                first; each brings all its items that pass the prompt's rules, so collisions
+                can make ``items`` longer.
+            exclude_item_ids: per prompt (or None), item ids never returned (e.g. the
+                history).
+            allow_item_ids: per prompt (or None), the only item ids that may be returned.
+            item_filter: per prompt (or None), conditions on the catalog's item attributes
+                (``ItemCatalog.load_attributes``; grammar in ``xgr.catalog.attributes``).
+
+        The rules apply inside the search: a semantic ID is a candidate when one of its
+        items passes, a prefix when a semantic ID below it is, so the results are those of
+        the catalog restricted to the passing items. Item ids outside the catalog are
+        ignored.
 
         Returns:
             One ``RecommendResult`` per prompt, in order.
 
         Raises:
-            XgrError: bad search parameters or prompts (empty, out-of-vocab ids).
+            XgrError: bad search parameters, prompts (empty, out-of-vocab ids) or rules
+                (not one entry per prompt; an unknown attribute, operator or a value of the
+                wrong type in a filter).
             PromptTooLongError: a prompt longer than ``max_prompt_tokens``.
             ModelOutputError: the model gave no finite score for a prompt.
         """
         return self.recommend_async(
-            prompts, beam_width, top_k, num_results, exclude_item_ids
+            prompts, beam_width, top_k, num_results, exclude_item_ids, allow_item_ids, item_filter
         ).result()
 
     def recommend_async(
@@ -285,7 +298,9 @@ class Engine:
         beam_width: int = 64,
         top_k: int = 64,
         num_results: int | Sequence[int] = 10,
-        exclude_item_ids: Sequence[Iterable[Any]] | None = None,
+        exclude_item_ids: Sequence[Iterable[Any] | None] | None = None,
+        allow_item_ids: Sequence[Iterable[Any] | None] | None = None,
+        item_filter: Sequence[dict | None] | None = None,
     ) -> PendingRecommendation:
         """``recommend``, returning once the batch's device work is queued (on CUDA; on the
         CPU once it is done). Arguments and input errors as ``recommend``; blocks while
@@ -299,13 +314,15 @@ class Engine:
             raise XgrError("prompts must be a list of prompts")
         search, params = search_params(len(prompts), beam_width, top_k, num_results)
         tokenized = [self.token_ids(p) for p in prompts]
-        excluded = excluded_items(len(prompts), exclude_item_ids)
+        rules = request_rules(
+            self.catalog, len(prompts), allow_item_ids, exclude_item_ids, item_filter
+        )
         dtype = self.model.lm_head.weight.dtype
         if not tokenized:
             return PendingRecommendation(None, None, [], [], [], self.catalog, self.titles, dtype)
         hold = self._lanes.take()
         try:
-            pending = self._launch(hold.lane, tokenized, search)
+            pending = self._launch(hold.lane, tokenized, search, rules)
         except BaseException:
             hold.release()
             raise
@@ -314,23 +331,27 @@ class Engine:
         else:
             hold.watch(pending.done)
         return PendingRecommendation(
-            pending, hold, tokenized, params, excluded, self.catalog, self.titles, dtype
+            pending, hold, tokenized, params, rules, self.catalog, self.titles, dtype
         )
 
-    def _launch(self, lane: Lane, tokenized: list[np.ndarray], search: SearchParams):
-        """Queue a batch on a lane (``Lanes.run``), its graphs planned once."""
+    def _launch(self, lane: Lane, tokenized: list[np.ndarray], search: SearchParams, rules: list):
+        """Queue a batch on a lane (``Lanes.run``), its graphs planned once and its trie
+        masks built on the lane's stream."""
         graphs, width, top_k = lane.graphs, search.beam_width, search.top_k
+        filtered = any(r.active for r in rules)
         if graphs is None:
             plan, lens = EAGER, None
         else:
             lens = [len(t) for t in tokenized]
             together = self.runner.first_levels_together(len(tokenized), width)
-            plan = graphs.plan(lens, width, top_k, together)
-        return self._lanes.run(
-            lane,
-            lambda: launch_semantic_ids(self.decode_spec, tokenized, width, top_k, graphs, plan),
-            lambda: graphs.needs_capture(plan, lens),
-        )
+            plan = graphs.plan(lens, width, top_k, together, filtered=filtered)
+
+        def launch():
+            allowed = self.catalog_masks.masks(rules) if filtered else None
+            spec = self.decode_spec
+            return launch_semantic_ids(spec, tokenized, width, top_k, graphs, plan, allowed)
+
+        return self._lanes.run(lane, launch, lambda: graphs.needs_capture(plan, lens))
 
     def warm_up(
         self,

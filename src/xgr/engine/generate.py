@@ -165,6 +165,7 @@ def launch_semantic_ids(
     top_k: int,
     graphs: CudaGraphs | None = None,
     plan: GraphPlan | None = None,
+    allowed: tuple[torch.Tensor, ...] | None = None,
 ) -> PendingGeneration:
     """``generate_semantic_ids`` without waiting: on CUDA the batch's work, ending with the
     copy of its results into pinned host memory, is queued on the current stream and this
@@ -174,18 +175,24 @@ def launch_semantic_ids(
 
     Args:
         plan: the batch's ``graphs.plan``, when the caller made it already; None makes it
-            here. Others as ``generate_semantic_ids``.
+            here.
+        allowed: the batch's trie masks (``xgr.catalog.rules.CatalogMasks.masks``) where
+            some request has item rules; None: every valid path.
+        Others: as ``generate_semantic_ids``.
     """
     if graphs is None:
-        return _launch(spec, prompts, beam_width, top_k, None, EAGER)
+        return _launch(spec, prompts, beam_width, top_k, None, EAGER, allowed)
     with graphs.lock:  # one launch at a time into the graphs' buffers
         if plan is None:
             together = spec.runner.first_levels_together(len(prompts), beam_width)
-            plan = graphs.plan([len(p) for p in prompts], beam_width, top_k, together)
-        return _launch(spec, prompts, beam_width, top_k, graphs, plan)
+            lens = [len(p) for p in prompts]
+            plan = graphs.plan(lens, beam_width, top_k, together, filtered=allowed is not None)
+        return _launch(spec, prompts, beam_width, top_k, graphs, plan, allowed)
 
 
-def _launch(spec, prompts, beam_width, top_k, graphs, plan: GraphPlan) -> PendingGeneration:
+def _launch(
+    spec, prompts, beam_width, top_k, graphs, plan: GraphPlan, allowed
+) -> PendingGeneration:
     runner = spec.runner
     device = spec.scorer.sid_token_ids.device
     cuda = device.type == "cuda"
@@ -211,9 +218,9 @@ def _launch(spec, prompts, beam_width, top_k, graphs, plan: GraphPlan) -> Pendin
         events[1].record()
     prefilled_at = time.perf_counter()
     if graphed:
-        nodes, scores = graphs.replay_decode(spec, plan.decode, inputs, prefilled)
+        nodes, scores = graphs.replay_decode(spec, plan.decode, inputs, prefilled, allowed)
     else:
-        batch = LevelBatch(shared, inputs.prompt_lens, inputs.cu_seqlens_host)
+        batch = LevelBatch(shared, inputs.prompt_lens, inputs.cu_seqlens_host, allowed)
         nodes, scores = search_levels(spec, batch, prefilled, beam_width, top_k, together)
     if not cuda:
         done = time.perf_counter()

@@ -22,12 +22,15 @@ class DecodeGraphKey:
         beam_width, top_k: search parameters.
         first_levels_together: level 1's forward runs inside the pass before it
             (``ModelRunner.first_levels_together``).
+        filtered: the selections read per-request masks of the trie (some request of the
+            batch has item rules; the others' masks allow everything).
     """
 
     requests: int
     beam_width: int
     top_k: int
     first_levels_together: bool
+    filtered: bool = False
 
 
 @dataclass(frozen=True)

@@ -4,13 +4,14 @@ best beams on the host; the checks of the search arguments."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from xgr.catalog import ItemCatalog
+from xgr.catalog.rules import NO_RULES, ItemRules
 from xgr.core import ModelOutputError, Recommendation, RecommendResult, SearchParams, XgrError
 from xgr.engine.generate import PendingGeneration
 from xgr.engine.lanes import LaneHold
@@ -29,7 +30,7 @@ class PendingRecommendation:
         hold: LaneHold | None,
         tokenized: list[np.ndarray],
         params: list[SearchParams],
-        excluded: list[set[str]],
+        rules: list[ItemRules],
         catalog: ItemCatalog,
         titles: dict[str, str],
         dtype: torch.dtype,
@@ -39,7 +40,7 @@ class PendingRecommendation:
         broken model's error; the rest as ``build_result`` takes them, one entry per
         prompt."""
         self._pending, self._hold, self._tokenized = pending, hold, tokenized
-        self._params, self._excluded = params, excluded
+        self._params, self._rules = params, rules
         self._catalog, self._titles, self._dtype = catalog, titles, dtype
         self._results: list[RecommendResult] | None = [] if pending is None else None
         self._error: BaseException | None = None
@@ -70,7 +71,12 @@ class PendingRecommendation:
         sid_index, scores = out.sid_index.numpy(), out.scores.numpy()
         # Every live beam has a valid continuation, so no finite score means NaN or -inf
         # log-probabilities everywhere: a broken model or an overflowing dtype.
-        broken = [i for i in range(len(self._tokenized)) if not np.isfinite(scores[i, 0])]
+        # A request whose rules leave no item has no finite score either: it gets no items.
+        broken = [
+            i
+            for i in range(len(self._tokenized))
+            if not np.isfinite(scores[i, 0]) and not self._rules[i].active
+        ]
         if broken:
             dtype = self._dtype
             hint = (
@@ -90,7 +96,7 @@ class PendingRecommendation:
                 sid_index[i],
                 scores[i],
                 self._params[i].num_results,
-                self._excluded[i],
+                self._rules[i],
             )
             result.prompt_tokens = len(tokens)
             result.prefill_ms, result.decode_ms = out.prefill_ms, out.decode_ms
@@ -104,21 +110,23 @@ def build_result(
     sid_index: np.ndarray,
     scores: np.ndarray,
     num_results: int,
-    excluded: set[str],
+    rules: ItemRules = NO_RULES,
 ) -> RecommendResult:
     """One prompt's ``RecommendResult`` from its final beams: the first ``num_results``
-    semantic IDs, and the items of the first ``num_results`` that have items left after
-    ``excluded`` (collisions: all of a semantic ID's items come back).
+    semantic IDs, and the items of the first ``num_results`` that have items passing
+    ``rules`` (collisions: all of a semantic ID's passing items come back, catalog order).
 
     Args:
         catalog, titles: the engine's catalog and its item id -> title map.
         sid_index: (B,) int64 ``ItemCatalog.semantic_ids`` row of each beam, best first.
         scores: (B,) float32 summed log-probabilities; -inf where no valid path was left.
         num_results: semantic IDs wanted.
-        excluded: item ids to leave out of the items.
+        rules: the prompt's item rules (the search already kept to semantic IDs with a
+            passing item; this keeps only those items).
     """
     result = RecommendResult()
     taken = 0
+    active = rules.active
     for sid, score in _leading_beams(sid_index, scores, num_results):
         if score == float("-inf") or (
             taken == num_results and len(result.semantic_ids) == num_results
@@ -129,7 +137,10 @@ def build_result(
             result.semantic_ids.append((codes, score))
         if taken == num_results:
             continue
-        items = [i for i in catalog.items_of_semantic_id(sid) if i not in excluded]
+        items = catalog.items_of_semantic_id(sid)
+        if active:
+            rows = np.array([catalog.item_index[i] for i in items], dtype=np.int64)
+            items = [i for i, keep in zip(items, rules.keep(catalog, rows), strict=True) if keep]
         result.items.extend(Recommendation(i, score, codes, titles.get(i)) for i in items)
         taken += bool(items)
     result.complete = taken == num_results
@@ -167,45 +178,3 @@ def search_params(
         raise XgrError("num_results needs one entry per prompt")
     search = SearchParams(beam_width, top_k, 1)  # validated even for no prompts
     return search, [SearchParams(search.beam_width, search.top_k, n) for n in num_results]
-
-
-def excluded_items(num_prompts: int, exclude_item_ids: Any) -> list[set[str]]:
-    """Each prompt's item ids to leave out of its results (``Engine.recommend``'s
-    ``exclude_item_ids``: None, or one list of item ids per prompt).
-
-    Raises:
-        XgrError: not a list of one entry per prompt, or an entry ``item_id_set`` refuses.
-    """
-    if exclude_item_ids is None:
-        return [set()] * num_prompts
-    if (
-        isinstance(exclude_item_ids, str | bytes)
-        or not isinstance(exclude_item_ids, Sequence | np.ndarray)
-        or (isinstance(exclude_item_ids, np.ndarray) and exclude_item_ids.ndim == 0)
-    ):
-        raise XgrError(
-            "exclude_item_ids must be a list with one entry (a list of item ids) per "
-            f"prompt, got {type(exclude_item_ids).__name__}"
-        )
-    if len(exclude_item_ids) != num_prompts:
-        raise XgrError("exclude_item_ids needs one entry per prompt")
-    return [item_id_set(ids, i) for i, ids in enumerate(exclude_item_ids)]
-
-
-def item_id_set(ids: Any, index: int) -> set[str]:
-    """One prompt's ``exclude_item_ids`` entry as a set of item-id strings.
-
-    Raises:
-        XgrError: a string (one id must still be in a list) or anything not iterable.
-    """
-    if isinstance(ids, str | bytes | Mapping) or not isinstance(ids, Iterable):
-        raise XgrError(
-            f"exclude_item_ids[{index}] must be a list of item ids, got {type(ids).__name__}"
-        )
-    ids = list(ids)
-    # Item ids are strings (ints are read as their digits); a float such as 181.0 would be
-    # "181.0" and exclude nothing.
-    bad = [x for x in ids if isinstance(x, bool) or not isinstance(x, str | int | np.integer)]
-    if bad:
-        raise XgrError(f"exclude_item_ids[{index}] holds {bad[0]!r}: item ids are strings or ints")
-    return {str(x) for x in ids}

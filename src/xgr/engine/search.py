@@ -46,9 +46,11 @@ def search_levels(
     first = spec.runner.first_step(batch, prefilled, beam_width, together)
     log_probs = spec.scorer.log_probs_of_levels(list(first.rows))
     if len(log_probs) == 1:
-        state = _level_zero(spec, log_probs[0], beam_width, top_k)
+        state = _level_zero(spec, log_probs[0], beam_width, top_k, batch.allowed_at(0))
     else:
-        state = _level_one_after_every_code(spec, *log_probs, beam_width, top_k)
+        state = _level_one_after_every_code(
+            spec, *log_probs, beam_width, top_k, batch.allowed_at(1)
+        )
     widths = live_beam_widths(spec.trie, beam_width, top_k)[len(log_probs) - 1 :]
     beam, num_levels = first.beam, len(spec.trie.levels)
     num_requests = batch.num_requests
@@ -62,30 +64,36 @@ def search_levels(
         hidden = spec.runner.forward_level(batch, beam, ids.reshape(-1), level, width)
         beam.length += 1
         scores = spec.scorer.log_probs(hidden, level).view(num_requests, width, -1)
-        trie_level = spec.trie.levels[level]
-        state = constrained_beam_step(live, scores, trie_level, None, beam_width, top_k)
+        trie_level, allowed = spec.trie.levels[level], batch.allowed_at(level)
+        state = constrained_beam_step(live, scores, trie_level, None, beam_width, top_k, allowed)
         stride, offset = width, 0
     return state.nodes, state.scores
 
 
 def _level_zero(
-    spec: DecodeSpec, log_probs: torch.Tensor, beam_width: int, top_k: int
+    spec: DecodeSpec, log_probs: torch.Tensor, beam_width: int, top_k: int, allowed=None
 ) -> BeamState:
     """Level 0's selection: the root is every beam's common parent and alone supplies the
     first ``beam_width`` beams from its children ((R, codebook_size) float32 scores)."""
     num_requests = log_probs.shape[0]
     return constrained_beam_step(
         BeamState.root(num_requests, log_probs.device), log_probs[:, None, :],
-        spec.trie.levels[0], None, beam_width, max(top_k, beam_width),
+        spec.trie.levels[0], None, beam_width, max(top_k, beam_width), allowed,
     )  # fmt: skip
 
 
 def _level_one_after_every_code(
-    spec: DecodeSpec, first: torch.Tensor, second: torch.Tensor, beam_width: int, top_k: int
+    spec: DecodeSpec,
+    first: torch.Tensor,
+    second: torch.Tensor,
+    beam_width: int,
+    top_k: int,
+    allowed: torch.Tensor | None = None,
 ) -> BeamState:
     """Level 1's selection when level 0 kept every first-level code: level 0's beams are
     the V0 codes in ``first_codes`` order with their scores, and level 1's candidates are
-    read from the rows that ran all of them.
+    read from the rows that ran all of them. A first-level code the request's rules leave
+    out has only children it may not take (``allowed``, level 1's).
 
     The results are those of the steps one after the other, with two differences that
     change no outcome: a code whose level-0 score is NaN is dropped here instead of at
@@ -104,7 +112,7 @@ def _level_one_after_every_code(
     level_0 = BeamState(first[:, codes], spec.first_nodes.expand(shape), codes.expand(shape), zeros)
     return constrained_beam_step(
         level_0, second.view(num_requests, num_codes, -1), spec.trie.levels[1], None,
-        beam_width, top_k,
+        beam_width, top_k, allowed,
     )  # fmt: skip
 
 

@@ -100,11 +100,18 @@ class LevelBatch:
         prompt_lens: (R,) int64 prompt lengths on the device.
         prompt_offsets_host: R + 1 host prompt offsets (read by the torch reference
             attention only).
+        allowed: per level, the (R, nodes at depth level + 1) bool children each request
+            may take (its item rules, ``xgr.catalog.rules.CatalogMasks``); None: all.
     """
 
     shared: SharedKV
     prompt_lens: torch.Tensor
     prompt_offsets_host: list[int]
+    allowed: tuple[torch.Tensor, ...] | None = None
+
+    def allowed_at(self, level: int) -> torch.Tensor | None:
+        """The children each request may take at ``level``'s selection, or None."""
+        return None if self.allowed is None else self.allowed[level]
 
     @property
     def num_requests(self) -> int:
