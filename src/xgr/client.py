@@ -64,10 +64,16 @@ class Client:
         truncate_history: bool = False,
         deadline_ms: float | None = None,
         request_id: str | None = None,
+        exclude_items: Sequence[str | int] | None = None,
+        allow_items: Sequence[str | int] | None = None,
+        item_filter: dict | None = None,
     ) -> RecommendResult:
         """``POST /v1/recommend``; the same result type as ``Engine.recommend`` gives, except
         that ``semantic_ids`` lists only the IDs of the returned items (the answer does not
         carry the IDs whose items were all excluded).
+
+        ``exclude_items``, ``allow_items`` and ``item_filter`` are the request's item rules
+        (the body's ``exclude_items``, ``allow_items`` and ``filter``).
 
         Raises:
             ServerError: the server answered with an error (its message included), or could
@@ -82,6 +88,9 @@ class Client:
             "truncate_history": truncate_history,
             "deadline_ms": deadline_ms,
             "request_id": request_id,
+            "exclude_items": _plain_ids(exclude_items),
+            "allow_items": _plain_ids(allow_items),
+            "filter": item_filter,
         }
         # numpy scalars (ids or sizes read from arrays) are not JSON: plain Python values.
         body = {k: v.item() if hasattr(v, "item") else v for k, v in body.items() if v is not None}
@@ -156,3 +165,8 @@ class Client:
         if not isinstance(data, dict):
             raise ServerError(200, f"{self._http.base_url} answered {path} with no JSON object")
         return data
+
+
+def _plain_ids(ids: Sequence[str | int] | None) -> list | None:
+    """Item ids as JSON values (NumPy scalars as Python ones); None stays None."""
+    return None if ids is None else [i.item() if hasattr(i, "item") else i for i in ids]

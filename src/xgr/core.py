@@ -163,6 +163,8 @@ class RecommendationEngine(Protocol):
         top_k: int,
         num_results: Any,
         exclude_item_ids: Any,
+        allow_item_ids: Any = None,
+        item_filter: Any = None,
     ) -> PendingResults:
         """Launch a batch (``xgr.Engine.recommend_async``'s arguments)."""
         ...

@@ -89,6 +89,16 @@ def test_client_returns_engine_results(base_url, engine):
         )
         with pytest.raises(ServerError, match="HTTP 400: unknown items in history: 'nope'"):
             client.recommend(["nope"])
+        allowed = engine.catalog.item_ids[100:160]
+        ruled = client.recommend(
+            history, beam_width=16, num_results=4, allow_items=allowed, exclude_items=allowed[:5]
+        )
+        (alone,) = engine.recommend(
+            [engine.history_prompt(history)], 16, 16, 4,
+            exclude_item_ids=[set(history) | set(allowed[:5])], allow_item_ids=[allowed],
+        )  # fmt: skip
+        assert [r.item_id for r in ruled.items] == [r.item_id for r in alone.items]
+        assert ruled.items and {r.item_id for r in ruled.items} <= set(allowed[5:])
 
 
 class HeldEngine:

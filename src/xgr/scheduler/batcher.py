@@ -413,6 +413,8 @@ class RequestBatcher:
             top_k=top_k,
             num_results=[r.num_results for r in live],
             exclude_item_ids=[r.exclude for r in live],
+            allow_item_ids=[r.allow for r in live],
+            item_filter=[r.item_filter for r in live],
         )
         try:
             # Launched, the batch runs while the loop forms and launches the next.

@@ -95,7 +95,10 @@ class QueuedRequest:
         prompt: token ids, already validated by the engine: a list, or the (tokens,) int64
             array of ``Engine.token_ids``, which the engine checks again in microseconds.
         beam_width, top_k, num_results: search parameters, already validated.
-        exclude: item ids left out of the result.
+        exclude: item ids never returned.
+        allow: the only item ids that may be returned; None: every item.
+        item_filter: conditions on the catalog's item attributes (already checked by
+            ``xgr.catalog.attributes.compile_filter``); None: no filter.
         deadline: ``time.perf_counter()`` after which it is not started; None for no deadline.
         recorded: counted in the metrics (False for the server's own warm-up request).
         future, deadline_timer: set when queued (the answer; the timer that answers 504 at
@@ -115,6 +118,8 @@ class QueuedRequest:
     future: asyncio.Future | None = None
     deadline_timer: asyncio.TimerHandle | None = None
     order: tuple[int, int] = (0, 0)
+    allow: frozenset[str] | None = None
+    item_filter: dict | None = None
 
 
 @dataclass(frozen=True)

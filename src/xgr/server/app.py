@@ -27,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from xgr.catalog import resolve_history
+from xgr.catalog.attributes import compile_filter
 from xgr.core import SearchParams, XgrError
 from xgr.engine import Engine
 from xgr.scheduler import (
@@ -256,6 +257,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             num_semantic_ids=catalog.num_semantic_ids,
             num_levels=catalog.num_levels,
             max_prompt_tokens=engine.max_prompt_tokens,
+            attributes=catalog.attributes.kinds if catalog.attributes is not None else {},
         )
         return ModelList(data=[card])
 
@@ -266,6 +268,8 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         check_search(body.beam_width, top_k, body.num_results)
         deadline = arrived + body.deadline_ms / 1e3 if body.deadline_ms else None
         batcher.check_admission(1, deadline)  # before the history is resolved
+        if body.filter is not None:  # a 400 naming the attribute, operator or value
+            compile_filter(body.filter, engine.catalog.attributes)
 
         def prepare():  # CPU work on long histories: off the event loop
             history = resolve_history(engine.catalog, body.history, engine.title_index)
@@ -281,9 +285,14 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
                     body.beam_width,
                     top_k,
                     body.num_results,
-                    frozenset(history.excluded if body.exclude_history else ()),
+                    frozenset(history.excluded if body.exclude_history else ())
+                    | frozenset(str(i) for i in body.exclude_items or ()),
                     deadline,
                     arrived,
+                    allow=None
+                    if body.allow_items is None
+                    else frozenset(str(i) for i in body.allow_items),
+                    item_filter=body.filter,
                 )
             ),
         )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
@@ -11,6 +11,8 @@ from xgr.core import MAX_BEAM_WIDTH
 # Hard limits of the schema (and the engine's beam width); a server may be configured
 # tighter (ServerConfig).
 MAX_HISTORY_ITEMS = 10_000
+# Items of one allow-list or exclusion list in a request.
+MAX_RULE_ITEMS = 100_000
 MAX_PROMPTS = 256
 
 
@@ -34,6 +36,17 @@ class RecommendRequest(BaseModel):
         10, ge=1, le=MAX_BEAM_WIDTH, description="Semantic IDs returned (<= beam_width)."
     )
     exclude_history: bool = Field(True, description="Leave the history's items out.")
+    exclude_items: list[StrictStr | StrictInt] | None = Field(
+        None, max_length=MAX_RULE_ITEMS, description="Item ids never returned."
+    )
+    allow_items: list[StrictStr | StrictInt] | None = Field(
+        None, max_length=MAX_RULE_ITEMS, description="The only item ids that may be returned."
+    )
+    filter: dict[str, Any] | None = Field(
+        None,
+        description="Conditions on the catalog's item attributes, combined by AND: a value "
+        '(equality), or {"in": [...]}, {"not_in": [...]}, {"lt"|"le"|"gt"|"ge": number}.',
+    )
     truncate_history: bool = Field(
         False, description="Drop the oldest items when the prompt is too long (else 413)."
     )
@@ -136,6 +149,11 @@ class ModelCard(BaseModel):
     num_semantic_ids: int
     num_levels: int
     max_prompt_tokens: int
+    attributes: dict[str, str] = Field(
+        default_factory=dict,
+        description="The item attributes that filters may name, with their types (string, "
+        "int, float, bool).",
+    )
 
 
 class ModelList(BaseModel):
