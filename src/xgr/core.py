@@ -114,14 +114,14 @@ class RecommendResult:
         items: recommended items, best first; all items of one semantic ID are adjacent,
             in catalog order.
         semantic_ids: the ``num_results`` best semantic IDs found by beam search with their
-            scores, best first (before any item exclusion).
+            scores, best first; with item rules, only semantic IDs with a passing item.
         prompt_tokens: prompt length in tokens.
         prefill_ms: wall time (ms) of the batch's prefill this prompt ran in.
         decode_ms: wall time (ms) of the batch's decode steps.
         complete: False when the beam_width final beams held fewer than ``num_results``
-            semantic IDs with an item left after the exclusions (a history covering most
-            of what the model ranks high): ``items`` then has fewer semantic IDs than
-            asked; a wider beam finds more.
+            semantic IDs with an item passing the request's rules (fewer such semantic IDs
+            exist, or a beam narrower than them found fewer): ``items`` then has fewer
+            semantic IDs than asked.
     """
 
     items: list[Recommendation] = field(default_factory=list)

@@ -46,6 +46,12 @@ def main(verbose: bool) -> None:
     help="Semantic IDs to return, best first; each brings all its items, so semantic-ID "
     "collisions print more items than this.",
 )
+@click.option(
+    "--filter",
+    "item_filter",
+    default=None,
+    help='Conditions on the item attributes (--attributes), as JSON, e.g. \'{"genre": "scifi"}\'.',
+)
 @click.option("--server", default=None, help="Ask a running `xgr serve` at this URL instead.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def recommend(
@@ -54,6 +60,7 @@ def recommend(
     beam_width,
     top_k,
     num_results,
+    item_filter,
     server,
     as_json,
 ) -> None:
@@ -63,6 +70,11 @@ def recommend(
         "top_k": beam_width if top_k is None else top_k,
         "num_results": num_results,
     }
+    if item_filter is not None:
+        try:
+            item_filter = json.loads(item_filter)
+        except ValueError as exc:
+            raise click.BadParameter(f"not JSON: {exc}", param_hint="--filter") from exc
     started = time.perf_counter()
     if server is not None:
         if source.given:
@@ -72,7 +84,7 @@ def recommend(
         try:
             with Client(server) as client:
                 started = time.perf_counter()  # the request, not the client's set-up
-                result = client.recommend(list(history), **search)
+                result = client.recommend(list(history), **search, item_filter=item_filter)
         except XgrError as exc:
             fail(exc)
         level_names = None
@@ -86,6 +98,7 @@ def recommend(
             (result,) = engine.recommend(
                 [engine.history_prompt(resolved.item_ids)],
                 exclude_item_ids=[resolved.excluded],
+                item_filter=None if item_filter is None else [item_filter],
                 **search,
             )
         except XgrError as exc:
@@ -118,8 +131,7 @@ def recommend(
         found = len({r.semantic_id for r in result.items})
         click.echo(
             f"(only {found} of the {num_results} semantic IDs asked for have items outside "
-            f"the history among the {beam_width} final beams; a larger --beam-width may find "
-            "more)"
+            "the history that pass the filter)"
         )
     click.echo(
         f"(score: the semantic ID's log-probability under the model, summed over its codes; "

@@ -96,6 +96,7 @@ class ModelSource:
     device: str
     cache_dir: Path
     archs: tuple[str, ...] = ()
+    attributes_path: Path | None = None
 
     def __post_init__(self) -> None:
         if self.archs and not self.demo:
@@ -159,9 +160,12 @@ class ModelSource:
         folder = self.folder()
         try:
             catalog = ItemCatalog.from_index_json(self.catalog_path) if self.catalog_path else None
-            return Engine.from_pretrained(
+            engine = Engine.from_pretrained(
                 folder, catalog=catalog, device=self.device, dtype=self.dtype, **options
             )
+            if self.attributes_path is not None:
+                engine.catalog.load_attributes(self.attributes_path)
+            return engine
         except XgrError as exc:
             fail(exc)
 
@@ -175,8 +179,13 @@ def engine_options(func=None, *, demo_only: bool = False):
         return functools.partial(engine_options, demo_only=demo_only)
 
     @functools.wraps(func)
-    def command(demo, dtype, device, cache_dir, archs, model_dir=None, catalog_path=None, **kw):
-        source = ModelSource(demo, model_dir, catalog_path, dtype, device, cache_dir, archs)
+    def command(
+        demo, dtype, device, cache_dir, archs, model_dir=None, catalog_path=None,
+        attributes_path=None, **kw,
+    ):  # fmt: skip
+        source = ModelSource(
+            demo, model_dir, catalog_path, dtype, device, cache_dir, archs, attributes_path
+        )
         return func(source=source, **kw)
 
     arch_help = (
@@ -210,6 +219,13 @@ def engine_options(func=None, *, demo_only: bool = False):
                 "catalog_path",
                 type=click.Path(dir_okay=False, path_type=Path),
                 help="Catalog index JSON (default: the model folder's catalog.index.json).",
+            ),
+            click.option(
+                "--attributes",
+                "attributes_path",
+                type=click.Path(dir_okay=False, exists=True, path_type=Path),
+                help="Item attributes for request filters: a CSV (header; item id first) or "
+                "JSON-lines table keyed by item id.",
             ),
         ]
     options += [

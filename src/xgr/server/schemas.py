@@ -82,8 +82,8 @@ class RecommendResponse(BaseModel):
     model: str
     items: list[RecommendedItem]
     complete: bool = Field(
-        description="False when fewer than num_results semantic IDs with items were left "
-        "among the beam_width final beams after the exclusions (a wider beam finds more)."
+        description="False when the search found fewer than num_results semantic IDs with "
+        "an item passing the request's rules and exclusions (fewer of them exist)."
     )
     timings: Timings
 
