@@ -29,21 +29,20 @@ class ItemRules:
     """One request's rules.
 
     Attributes:
-        allow: catalog rows of the only items that may be returned; None: every item.
-        exclude: catalog rows of items never returned.
-        exclude_ids: the excluded item ids as given (ids outside the catalog included).
+        allow: sorted catalog rows of the only items that may be returned; None: every item.
+        exclude: sorted catalog rows of items never returned; None: none.
         filter: the compiled attribute filter; None: no filter.
     """
 
     allow: np.ndarray | None = None
     exclude: np.ndarray | None = None
-    exclude_ids: frozenset[str] = frozenset()
     filter: ItemFilter | None = None
 
     @property
     def active(self) -> bool:
-        """Whether the rules leave out any item."""
-        return self.allow is not None or self.filter is not None or bool(self.exclude_ids)
+        """Whether the rules may leave out an item."""
+        excludes = self.exclude is not None and len(self.exclude) > 0
+        return self.allow is not None or self.filter is not None or excludes
 
     def keep(self, catalog: ItemCatalog, rows: np.ndarray) -> np.ndarray:
         """(len(rows),) bool: which of these catalog rows pass (on the host)."""
@@ -83,13 +82,12 @@ def request_rules(
         allow = None
         if allows[i] is not None:
             allow = _rows(catalog, item_id_set(allows[i], i, "allow_item_ids"))
-        exclude_ids = frozenset()
+        exclude = None
         if excludes[i] is not None:
-            exclude_ids = frozenset(item_id_set(excludes[i], i, "exclude_item_ids"))
-        exclude = _rows(catalog, exclude_ids) if exclude_ids else None
+            exclude = _rows(catalog, item_id_set(excludes[i], i, "exclude_item_ids"))
         spec = filters[i]
         compiled = None if spec is None else compile_filter(spec, catalog.attributes)
-        out.append(ItemRules(allow, exclude, exclude_ids, compiled))
+        out.append(ItemRules(allow, exclude, compiled))
     return out
 
 
@@ -111,8 +109,8 @@ def _per_prompt(name: str, value: Any, num_prompts: int, lists: bool = True) -> 
     return list(value)
 
 
-def item_id_set(ids: Any, index: int, name: str = "exclude_item_ids") -> set[str]:
-    """One prompt's entry of a list of item ids, as a set of item-id strings.
+def item_id_set(ids: Any, index: int, name: str = "exclude_item_ids") -> np.ndarray:
+    """One prompt's entry of a list of item ids, as a (N,) str array (repeats kept).
 
     Raises:
         XgrError: a string (one id must still be in a list) or anything not iterable, or an
@@ -120,18 +118,21 @@ def item_id_set(ids: Any, index: int, name: str = "exclude_item_ids") -> set[str
     """
     if isinstance(ids, str | bytes | Mapping) or not isinstance(ids, Iterable):
         raise XgrError(f"{name}[{index}] must be a list of item ids, got {type(ids).__name__}")
+    if isinstance(ids, np.ndarray) and ids.ndim == 1 and ids.dtype.kind in "Uiu":
+        return ids.astype(str)  # ints are read as their digits
     ids = list(ids)
-    # Item ids are strings (ints are read as their digits); a float such as 181.0 would be
-    # "181.0" and match nothing.
+    if all(isinstance(x, str) for x in ids):
+        return np.array(ids, dtype=str)
+    # A float such as 181.0 would be "181.0" and match nothing.
     bad = [x for x in ids if isinstance(x, bool) or not isinstance(x, str | int | np.integer)]
     if bad:
         raise XgrError(f"{name}[{index}] holds {bad[0]!r}: item ids are strings or ints")
-    return {str(x) for x in ids}
+    return np.array([str(x) for x in ids], dtype=str)
 
 
-def _rows(catalog: ItemCatalog, ids: Iterable[str]) -> np.ndarray:
-    index = catalog.item_index
-    return np.array(sorted(index[i] for i in ids if i in index), dtype=np.int64)
+def _rows(catalog: ItemCatalog, ids: np.ndarray) -> np.ndarray:
+    rows = catalog.rows_of(ids)
+    return np.unique(rows[rows >= 0])  # sorted, each once
 
 
 class CatalogMasks:
