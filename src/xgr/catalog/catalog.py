@@ -225,20 +225,11 @@ class ItemCatalog:
         # As Python ints: indexing the list with NumPy integers took twice the host time.
         return [self.item_ids[i] for i in self._sid_item_order[lo:hi].tolist()]
 
-    def rows_of(self, item_ids: np.ndarray) -> np.ndarray:
-        """Catalog rows of item ids ((N,) str array) in one vectorized lookup; -1 for ids
-        the catalog lacks."""
-        order, ids = self._sorted_item_ids
-        if not len(item_ids):
-            return np.zeros(0, dtype=np.int64)
-        place = np.searchsorted(ids, item_ids).clip(max=len(ids) - 1)
-        return np.where(ids[place] == item_ids, order[place], -1)
-
-    @cached_property
-    def _sorted_item_ids(self) -> tuple[np.ndarray, np.ndarray]:
-        ids = np.array(self.item_ids)
-        order = np.argsort(ids, kind="stable")
-        return order.astype(np.int64), ids[order]
+    def rows_of(self, item_ids) -> np.ndarray:
+        """Catalog rows of item ids (an iterable of strings), -1 for ids the catalog lacks:
+        (N,) int64."""
+        get = self.item_index.get
+        return np.fromiter((get(i, -1) for i in item_ids), dtype=np.int64)
 
     @cached_property
     def _sid_rows(self) -> dict[tuple[int, ...], int]:

@@ -48,15 +48,23 @@ class ItemRules:
         """(len(rows),) bool: which of these catalog rows pass (on the host)."""
         keep = np.ones(len(rows), dtype=bool)
         if self.allow is not None:
-            keep &= np.isin(rows, self.allow)
+            keep &= _among(rows, self.allow)
         if self.exclude is not None and len(self.exclude):
-            keep &= ~np.isin(rows, self.exclude)
+            keep &= ~_among(rows, self.exclude)
         if self.filter is not None:
             keep &= self.filter.passes(catalog.attributes, rows)
         return keep
 
 
 NO_RULES = ItemRules()
+
+
+def _among(rows: np.ndarray, sorted_rows: np.ndarray) -> np.ndarray:
+    """Which of ``rows`` are in the sorted ``sorted_rows`` (a binary search each)."""
+    if not len(sorted_rows):
+        return np.zeros(len(rows), dtype=bool)
+    place = np.searchsorted(sorted_rows, rows).clip(max=len(sorted_rows) - 1)
+    return sorted_rows[place] == rows
 
 
 def request_rules(
@@ -109,8 +117,8 @@ def _per_prompt(name: str, value: Any, num_prompts: int, lists: bool = True) -> 
     return list(value)
 
 
-def item_id_set(ids: Any, index: int, name: str = "exclude_item_ids") -> np.ndarray:
-    """One prompt's entry of a list of item ids, as a (N,) str array (repeats kept).
+def item_id_set(ids: Any, index: int, name: str = "exclude_item_ids") -> list[str]:
+    """One prompt's entry of a list of item ids, as a list of item-id strings (repeats kept).
 
     Raises:
         XgrError: a string (one id must still be in a list) or anything not iterable, or an
@@ -118,19 +126,17 @@ def item_id_set(ids: Any, index: int, name: str = "exclude_item_ids") -> np.ndar
     """
     if isinstance(ids, str | bytes | Mapping) or not isinstance(ids, Iterable):
         raise XgrError(f"{name}[{index}] must be a list of item ids, got {type(ids).__name__}")
-    if isinstance(ids, np.ndarray) and ids.ndim == 1 and ids.dtype.kind in "Uiu":
-        return ids.astype(str)  # ints are read as their digits
     ids = list(ids)
     if all(isinstance(x, str) for x in ids):
-        return np.array(ids, dtype=str)
-    # A float such as 181.0 would be "181.0" and match nothing.
+        return ids
+    # Ints are read as their digits; a float such as 181.0 would be "181.0" and match nothing.
     bad = [x for x in ids if isinstance(x, bool) or not isinstance(x, str | int | np.integer)]
     if bad:
         raise XgrError(f"{name}[{index}] holds {bad[0]!r}: item ids are strings or ints")
-    return np.array([str(x) for x in ids], dtype=str)
+    return [str(x) for x in ids]
 
 
-def _rows(catalog: ItemCatalog, ids: np.ndarray) -> np.ndarray:
+def _rows(catalog: ItemCatalog, ids: list[str]) -> np.ndarray:
     rows = catalog.rows_of(ids)
     return np.unique(rows[rows >= 0])  # sorted, each once
 
