@@ -164,3 +164,16 @@ def test_rule_arguments_are_checked(model_dirs, tmp_path):
         engine.recommend(PROMPTS[:2], allow_item_ids=[["item1"]])
     with pytest.raises(XgrError, match=r"allow_item_ids\[0\] must be a list of item ids"):
         engine.recommend(PROMPTS[:1], allow_item_ids=["item1"])
+
+
+def test_an_empty_filter_keeps_every_item_and_huge_integers_are_refused(model_dirs, tmp_path):
+    catalog = catalog_with_collisions()
+    write_attributes(catalog, tmp_path / "attributes.csv")
+    catalog.load_attributes(tmp_path / "attributes.csv")
+    engine = engine_on(model_dirs["qwen2"], catalog, "cpu")
+    (plain,) = engine.recommend(PROMPTS[:1], **SEARCH)
+    (empty,) = engine.recommend(PROMPTS[:1], **SEARCH, item_filter=[{}])
+    assert_equal_results(empty, plain)
+    for spec in ({"stock": 2**70}, {"stock": {"lt": -(2**64)}}, {"stock": {"in": [1, 2**63]}}):
+        with pytest.raises(XgrError, match="outside the 64-bit integer range"):
+            engine.recommend(PROMPTS[:1], item_filter=[spec])

@@ -37,7 +37,7 @@ class RecordingEngine:
     max_in_flight = 1
     num_levels = 1
 
-    def recommend_async(self, prompts, beam_width, top_k, num_results, exclude_item_ids):
+    def recommend_async(self, prompts, beam_width, top_k, num_results, exclude_item_ids, **rules):
         search = dict(beam_width=beam_width, top_k=top_k, num_results=num_results,
                       exclude_item_ids=exclude_item_ids)  # fmt: skip
         return Deferred(lambda: self.recommend(prompts, **search))
@@ -582,7 +582,7 @@ class PipelinedEngine:
         self.in_flight = self.most_in_flight = 0
         self.seconds_of = lambda prompts: self.seconds  # a batch's run time (s)
 
-    def recommend_async(self, prompts, beam_width, top_k, num_results, exclude_item_ids):
+    def recommend_async(self, prompts, beam_width, top_k, num_results, exclude_item_ids, **rules):
         with self.lock:
             now = time.perf_counter()
             end = (now if self.side_by_side else max(now, self.free_at)) + self.seconds_of(prompts)

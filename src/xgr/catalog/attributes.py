@@ -259,8 +259,9 @@ class ItemFilter:
 
     conditions: tuple[Condition, ...]
 
-    def mask(self, attributes: ItemAttributes, device: torch.device) -> torch.Tensor:
-        """(num_items,) bool on ``device``: the items passing every condition."""
+    def mask(self, attributes: ItemAttributes, device: torch.device) -> torch.Tensor | None:
+        """(num_items,) bool on ``device``: the items passing every condition; None for a
+        filter without conditions (every item passes)."""
         out = None
         for cond in self.conditions:
             values, present = attributes.on_device(cond.name, device)
@@ -346,7 +347,7 @@ def _condition(name: str, kind: str, op: str, operand: Any, attributes) -> Condi
             raise XgrError(f"attribute {name!r}: {op!r} takes a number, got {operand!r}")
         if isinstance(operand, float) and not math.isfinite(operand):
             raise XgrError(f"attribute {name!r}: {op!r} takes a finite number")
-        values = (operand,)
+        values = (_in_range(name, operand),)
     else:
         values = (_encode(name, kind, operand, attributes),)
     return Condition(name, op, values)
@@ -370,4 +371,11 @@ def _encode(name: str, kind: str, value: Any, attributes: ItemAttributes) -> Any
         if not value.is_integer():
             raise XgrError(f"attribute {name!r} is an integer: got {value!r}")
         value = int(value)
+    return _in_range(name, value)
+
+
+def _in_range(name: str, value: int | float) -> int | float:
+    """A number the columns' 64-bit types hold."""
+    if isinstance(value, int) and not -(2**63) <= value < 2**63:
+        raise XgrError(f"attribute {name!r}: {value} is outside the 64-bit integer range")
     return value

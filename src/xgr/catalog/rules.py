@@ -95,6 +95,8 @@ def request_rules(
             exclude = _rows(catalog, item_id_set(excludes[i], i, "exclude_item_ids"))
         spec = filters[i]
         compiled = None if spec is None else compile_filter(spec, catalog.attributes)
+        if compiled is not None and not compiled.conditions:
+            compiled = None  # {}: no condition, every item passes
         out.append(ItemRules(allow, exclude, compiled))
     return out
 
