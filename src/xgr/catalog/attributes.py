@@ -15,6 +15,7 @@ condition on it except ``not_in``.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 from dataclasses import dataclass
@@ -111,15 +112,22 @@ def load_attributes(path: str | Path, item_index: dict[str, int]) -> ItemAttribu
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise XgrError(f"cannot read item attributes {path}: {exc}") from exc
+    names: list[str] = []
     if path.suffix.lower() == ".csv":
-        rows = _csv_rows(text, path)
+        rows = _csv_rows(text, path, names)
     elif path.suffix.lower() in (".jsonl", ".ndjson"):
         rows = _jsonl_rows(text, path)
     else:
         raise XgrError(f"item attributes {path}: expected a .csv or .jsonl file")
     raw: dict[str, dict[int, Any]] = {}
     seen: set[str] = set()
-    for item_id, values in rows:
+    try:
+        read = list(rows)
+    except csv.Error as exc:
+        raise XgrError(f"item attributes {path}: {exc}") from exc
+    for name in names:  # a CSV column without values is still a column
+        raw.setdefault(name, {})
+    for item_id, values in read:
         if item_id in seen:
             raise XgrError(f"item attributes {path}: item {item_id!r} appears twice")
         seen.add(item_id)
@@ -133,14 +141,16 @@ def load_attributes(path: str | Path, item_index: dict[str, int]) -> ItemAttribu
     return ItemAttributes(columns)
 
 
-def _csv_rows(text: str, path: Path):
-    reader = csv.reader(text.splitlines())
+def _csv_rows(text: str, path: Path, names_out: list[str]):
+    # The reader splits the rows itself: quoted cells may hold line breaks.
+    reader = csv.reader(io.StringIO(text.removeprefix("\ufeff"), newline=""))
     header = next(reader, None)
     if not header or len(header) < 2:
         raise XgrError(f"item attributes {path}: a header of the item id and attributes is needed")
     names = header[1:]
     if len(set(names)) != len(names) or "" in names:
         raise XgrError(f"item attributes {path}: column names must be distinct and non-empty")
+    names_out.extend(names)
     for line, cells in enumerate(reader, start=2):
         if not cells:
             continue
@@ -153,7 +163,8 @@ def _csv_rows(text: str, path: Path):
 
 
 def _jsonl_rows(text: str, path: Path):
-    for line, entry in enumerate(text.splitlines(), start=1):
+    # Lines end at "\n" only: JSON strings may hold other line separators (U+2028).
+    for line, entry in enumerate(text.removeprefix("\ufeff").split("\n"), start=1):
         if not entry.strip():
             continue
         try:
@@ -211,6 +222,9 @@ def _json_kind(values: list[Any], name: str, path: Path) -> str:
 def _column(name: str, cells: dict[int, Any], num_items: int, path: Path) -> Column:
     rows = np.fromiter(cells, dtype=np.int64, count=len(cells))
     values = list(cells.values())
+    if not values:  # no item has a value: a string column that no equality matches
+        return Column("string", np.full(num_items, -1, dtype=np.int64),
+                      np.zeros(num_items, dtype=bool))  # fmt: skip
     from_csv = all(isinstance(v, str) for v in values) and path.suffix.lower() == ".csv"
     kind = _csv_kind(values) if from_csv else _json_kind(values, name, path)
     present = np.zeros(num_items, dtype=bool)
@@ -232,7 +246,10 @@ def _column(name: str, cells: dict[int, Any], num_items: int, path: Path) -> Col
             raise XgrError(f"item attributes {path}: {name!r} holds an integer too large") from exc
     else:
         column = np.zeros(num_items, dtype=np.float64)
-        column[rows] = [float(v) for v in values]
+        try:
+            column[rows] = [float(v) for v in values]
+        except OverflowError as exc:
+            raise XgrError(f"item attributes {path}: {name!r} holds a number too large") from exc
         if not np.isfinite(column[rows]).all():
             raise XgrError(f"item attributes {path}: {name!r} holds a non-finite number")
     return Column(kind, column, present, vocabulary)
@@ -336,7 +353,12 @@ def compile_filter(spec: Any, attributes: ItemAttributes | None) -> ItemFilter:
 
 
 def _condition(name: str, kind: str, op: str, operand: Any, attributes) -> Condition:
+    operand = _plain(operand)
     if op in ("in", "not_in"):
+        if isinstance(operand, tuple):
+            operand = [_plain(v) for v in operand]
+        elif isinstance(operand, list):
+            operand = [_plain(v) for v in operand]
         if not isinstance(operand, list):
             raise XgrError(f"attribute {name!r}: {op!r} takes a list of values")
         values = tuple(_encode(name, kind, v, attributes) for v in operand)
@@ -347,10 +369,23 @@ def _condition(name: str, kind: str, op: str, operand: Any, attributes) -> Condi
             raise XgrError(f"attribute {name!r}: {op!r} takes a number, got {operand!r}")
         if isinstance(operand, float) and not math.isfinite(operand):
             raise XgrError(f"attribute {name!r}: {op!r} takes a finite number")
+        if kind == "int" and isinstance(operand, float):
+            # Exact on integers: v < 2.5 is v <= 2, v >= 2.5 is v >= 3 (no float64 rounding).
+            if operand.is_integer():
+                operand = int(operand)
+            elif op in ("lt", "le"):
+                op, operand = "le", math.floor(operand)
+            else:
+                op, operand = "ge", math.ceil(operand)
         values = (_in_range(name, operand),)
     else:
         values = (_encode(name, kind, operand, attributes),)
     return Condition(name, op, values)
+
+
+def _plain(value: Any) -> Any:
+    """NumPy scalars as the Python values they hold."""
+    return value.item() if isinstance(value, np.generic) else value
 
 
 def _encode(name: str, kind: str, value: Any, attributes: ItemAttributes) -> Any:
