@@ -355,9 +355,7 @@ def compile_filter(spec: Any, attributes: ItemAttributes | None) -> ItemFilter:
 def _condition(name: str, kind: str, op: str, operand: Any, attributes) -> Condition:
     operand = _plain(operand)
     if op in ("in", "not_in"):
-        if isinstance(operand, tuple):
-            operand = [_plain(v) for v in operand]
-        elif isinstance(operand, list):
+        if isinstance(operand, list | tuple):
             operand = [_plain(v) for v in operand]
         if not isinstance(operand, list):
             raise XgrError(f"attribute {name!r}: {op!r} takes a list of values")

@@ -137,6 +137,49 @@ class FirstStep:
     parent_offset: int
 
 
+class FamilyRunner:
+    """What every family's runner holds, and where level 1 may join the pass before it.
+
+    Args:
+        model: the model, on its device and dtype.
+        num_levels: levels of the catalog's semantic IDs.
+        first_code_tokens: (V0,) int64 vocabulary ids of the catalog's first-level codes,
+            ascending by code; None: level 1 always runs after level 0.
+        attention_backend: "torch" (reference) or "triton" decode attention.
+        first_levels_together: allow level 1's forward inside the pass before it (where it
+            applies); False always runs it after level 0.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        num_levels: int,
+        first_code_tokens: torch.Tensor | None,
+        attention_backend: str = "torch",
+        first_levels_together: bool = True,
+    ) -> None:
+        self.model = model
+        self.num_levels = num_levels
+        self.first_code_tokens = first_code_tokens
+        self.attention_backend = attention_backend
+        self.together_allowed = first_levels_together
+
+    @property
+    def num_first_codes(self) -> int:
+        """V0: the catalog's first-level codes (0 without ``first_code_tokens``)."""
+        return 0 if self.first_code_tokens is None else self.first_code_tokens.shape[0]
+
+    def _beam_holds_first_codes(self, beam_width: int) -> bool:
+        """Whether level 0 keeps every first-level code whatever their scores (so level
+        1's forward may run before they are scored), and is allowed to."""
+        return (
+            self.together_allowed
+            and self.first_code_tokens is not None
+            and self.num_levels >= 2
+            and self.num_first_codes <= beam_width
+        )
+
+
 class ModelRunner(Protocol):
     """One model family's passes, as the engine's one search loop calls them
     (``xgr.engine.search``).

@@ -7,12 +7,11 @@ import torch
 
 from xgr.kv import BeamKV, SharedKV
 from xgr.layers.attention import DecodeMetadata, PrefillMetadata
-from xgr.models.decoder import CausalLM
-from xgr.runner.base import FirstStep, LevelBatch, PrefillBatch, Prefilled
+from xgr.runner.base import FamilyRunner, FirstStep, LevelBatch, PrefillBatch, Prefilled
 from xgr.runner.shapes import PrefillShape, packed_shape
 
 
-class DecoderRunner:
+class DecoderRunner(FamilyRunner):
     """``ModelRunner`` of a ``CausalLM``.
 
     The prompt's last token gives level 0's scores. For a single request whose beam holds
@@ -23,29 +22,8 @@ class DecoderRunner:
     instead of two. Batches of several requests keep the steps apart: the packed prefill
     graphs pad to a fixed number of request slots, whose code rows would follow the padding.
 
-    Args:
-        model: the LM, on its device and dtype.
-        num_levels: levels of the catalog's semantic IDs.
-        first_code_tokens: (V0,) int64 vocabulary ids of the catalog's first-level codes,
-            ascending by code; None: level 1 always runs after level 0.
-        attention_backend: "torch" (reference) or "triton" decode attention.
-        first_levels_together: allow level 1's forward inside the prefill (where it
-            applies); False always runs it after level 0.
+    Args: as ``FamilyRunner``'s, ``model`` a ``CausalLM``.
     """
-
-    def __init__(
-        self,
-        model: CausalLM,
-        num_levels: int,
-        first_code_tokens: torch.Tensor | None,
-        attention_backend: str = "torch",
-        first_levels_together: bool = True,
-    ) -> None:
-        self.model = model
-        self.num_levels = num_levels
-        self.first_code_tokens = first_code_tokens
-        self.attention_backend = attention_backend
-        self.together_allowed = first_levels_together
 
     # What bounds a prompt, for error messages.
     prompt_limit = "max positions minus generated codes"
@@ -55,18 +33,8 @@ class DecoderRunner:
         """Positions must cover the generated codes too."""
         return self.model.config.max_position_embeddings - self.num_levels + 1
 
-    @property
-    def _num_codes(self) -> int:
-        return 0 if self.first_code_tokens is None else self.first_code_tokens.shape[0]
-
     def first_levels_together(self, num_requests: int, beam_width: int) -> bool:
-        return (
-            self.together_allowed
-            and num_requests == 1
-            and self.first_code_tokens is not None
-            and self.num_levels >= 2
-            and self._num_codes <= beam_width
-        )
+        return num_requests == 1 and self._beam_holds_first_codes(beam_width)
 
     def prefill_shape(
         self, prompt_lens: list[int], max_requests: int, together: bool
@@ -76,11 +44,11 @@ class DecoderRunner:
         float32 = self.model.lm_head.weight.dtype == torch.float32
         if len(prompt_lens) > 1 and float32:
             return None
-        return packed_shape(prompt_lens, max_requests, self._num_codes if together else 0)
+        return packed_shape(prompt_lens, max_requests, self.num_first_codes if together else 0)
 
     def allocate_code_kv(self, num_requests: int) -> BeamKV:
         cfg, weight = self.model.config, self.model.lm_head.weight
-        rows = num_requests * self._num_codes
+        rows = num_requests * self.num_first_codes
         return BeamKV.allocate(
             cfg.num_layers, rows, 1, cfg.num_kv_heads, cfg.head_dim, weight.dtype, weight.device
         )
@@ -93,7 +61,7 @@ class DecoderRunner:
             shared = batch.shared
             codes = SharedKV(shared.k, shared.v, batch.prompt_offsets, [], shared.token_major)
             first_codes = DecodeMetadata(
-                codes, batch.code_kv, batch.prompt_offsets_host, self._num_codes,
+                codes, batch.code_kv, batch.prompt_offsets_host, self.num_first_codes,
                 self.attention_backend,
             )  # fmt: skip
             ids, code_positions = self._code_rows(batch.prompt_lens)
@@ -112,7 +80,7 @@ class DecoderRunner:
     def _code_rows(self, prompt_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids and positions of level 1's rows: every first-level code of each
         request, at the position after its prompt; (R * V0,) int64 each, request-major."""
-        shape = (prompt_lens.shape[0], self._num_codes)
+        shape = (prompt_lens.shape[0], self.num_first_codes)
         ids = self.first_code_tokens.expand(shape).reshape(-1)
         return ids, prompt_lens[:, None].expand(shape).reshape(-1)
 
@@ -143,7 +111,7 @@ class DecoderRunner:
         beam.length = 1
         rows_scored = ((prefilled.last_hidden, 0), (prefilled.code_hidden, 1))
         # Level 1's parent p of request r is code row r * V0 + p.
-        return FirstStep(rows_scored, beam, self._num_codes, 0)
+        return FirstStep(rows_scored, beam, self.num_first_codes, 0)
 
     def forward_level(
         self, batch: LevelBatch, beam: BeamKV, ids: torch.Tensor, level: int, width: int

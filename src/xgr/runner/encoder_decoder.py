@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 
 from xgr.kv import BeamKV
-from xgr.models.t5 import EncDecDecodeMetadata, T5Seq2SeqLM
-from xgr.runner.base import FirstStep, LevelBatch, PrefillBatch, Prefilled
+from xgr.models.t5 import EncDecDecodeMetadata
+from xgr.runner.base import FamilyRunner, FirstStep, LevelBatch, PrefillBatch, Prefilled
 from xgr.runner.shapes import PrefillShape, slotted_shape
 
 
-class EncoderDecoderRunner:
+class EncoderDecoderRunner(FamilyRunner):
     """``ModelRunner`` of a ``T5Seq2SeqLM``.
 
     Level 0 scores one decoder step over the decoder start token per request, whose
@@ -20,22 +20,8 @@ class EncoderDecoderRunner:
     keeps them all whatever their scores, so the start step and level 1's step over those
     codes run as one pass (``T5Seq2SeqLM.decode_start_and_codes``), any number of requests.
 
-    Args: as ``DecoderRunner``'s.
+    Args: as ``FamilyRunner``'s, ``model`` a ``T5Seq2SeqLM``.
     """
-
-    def __init__(
-        self,
-        model: T5Seq2SeqLM,
-        num_levels: int,
-        first_code_tokens: torch.Tensor | None,
-        attention_backend: str = "torch",
-        first_levels_together: bool = True,
-    ) -> None:
-        self.model = model
-        self.num_levels = num_levels
-        self.first_code_tokens = first_code_tokens
-        self.attention_backend = attention_backend
-        self.together_allowed = first_levels_together
 
     # What bounds a prompt, for error messages.
     prompt_limit = "config.json's n_positions, or xgr's default for T5"
@@ -46,12 +32,7 @@ class EncoderDecoderRunner:
         return self.model.config.max_prompt_tokens
 
     def first_levels_together(self, num_requests: int, beam_width: int) -> bool:
-        return (
-            self.together_allowed
-            and self.first_code_tokens is not None
-            and self.num_levels >= 2
-            and self.first_code_tokens.shape[0] <= beam_width
-        )
+        return self._beam_holds_first_codes(beam_width)
 
     def prefill_shape(
         self, prompt_lens: list[int], max_requests: int, together: bool
