@@ -11,6 +11,7 @@ the passing items.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -147,15 +148,20 @@ class CatalogMasks:
     """Builds the per-request masks of a catalog's trie on one device.
 
     Args:
-        catalog: the catalog; its trie and ``sid_of_item`` are copied to ``device`` once.
-        trie: the catalog's trie on ``device``.
+        catalog: the catalog; its ``sid_of_item`` is copied to the trie's device at the
+            first masks (an engine whose requests carry no rules never pays for it).
+        trie: the catalog's trie on that device.
     """
 
     def __init__(self, catalog: ItemCatalog, trie: PrefixTrie) -> None:
         self.catalog = catalog
         self.trie = trie
         self.device = trie.device
-        self.sid_of_item = torch.from_numpy(catalog.sid_of_item).to(self.device)
+
+    @functools.cached_property
+    def sid_of_item(self) -> torch.Tensor:
+        """(num_items,) int64 semantic-ID row of each item, on the device."""
+        return torch.from_numpy(self.catalog.sid_of_item).to(self.device)
 
     def item_mask(self, rules: ItemRules) -> torch.Tensor:
         """(num_items,) bool on the device: the items passing ``rules``."""
