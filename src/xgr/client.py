@@ -67,13 +67,15 @@ class Client:
         exclude_items: Sequence[str | int] | None = None,
         allow_items: Sequence[str | int] | None = None,
         item_filter: dict | None = None,
+        return_level_scores: bool = False,
     ) -> RecommendResult:
         """``POST /v1/recommend``; the same result type as ``Engine.recommend`` gives, except
         that ``semantic_ids`` lists only the IDs of the returned items (the answer does not
         carry the IDs whose items were all excluded).
 
         ``exclude_items``, ``allow_items`` and ``item_filter`` are the request's item rules
-        (the body's ``exclude_items``, ``allow_items`` and ``filter``).
+        (the body's ``exclude_items``, ``allow_items`` and ``filter``). With
+        ``return_level_scores`` the items carry ``level_scores`` (else they are empty).
 
         Raises:
             ServerError: the server answered with an error (its message included), or could
@@ -91,6 +93,7 @@ class Client:
             "exclude_items": _plain_ids(exclude_items),
             "allow_items": _plain_ids(allow_items),
             "filter": item_filter,
+            "return_level_scores": return_level_scores or None,
         }
         # numpy scalars (ids or sizes read from arrays) are not JSON: plain Python values.
         body = {k: v.item() if hasattr(v, "item") else v for k, v in body.items() if v is not None}
@@ -102,6 +105,7 @@ class Client:
                     float(item["score"]),
                     tuple(int(c) for c in _CODE.findall(item["semantic_id"])),
                     item.get("title"),
+                    tuple(float(v) for v in item.get("level_scores") or ()),
                 )
                 for item in data["items"]
             ]
@@ -109,10 +113,13 @@ class Client:
             # Items of one semantic ID are adjacent and share its score: one entry per ID.
             # The answer carries items only, so IDs whose items were all excluded are absent
             # (``Engine.recommend`` lists them).
-            semantic_ids = list(dict.fromkeys((r.semantic_id, r.score) for r in items))
+            first = {}  # the first item of each semantic ID, in order
+            for r in items:
+                first.setdefault((r.semantic_id, r.score), r)
             return RecommendResult(
                 items=items,
-                semantic_ids=semantic_ids,
+                semantic_ids=list(first),
+                level_scores=[r.level_scores for r in first.values()],
                 prefill_ms=timings["prefill_ms"],
                 decode_ms=timings["decode_ms"],
                 complete=bool(data.get("complete", True)),

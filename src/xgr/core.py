@@ -52,12 +52,16 @@ class Recommendation:
             ID under the model; items sharing one semantic ID share the score.
         semantic_id: the item's codes, one int per level.
         title: the item's title when the model folder has one (``items.json``), else None.
+        level_scores: the log-probability (natural log, float32 values) of each level's
+            code given the prompt and the codes before it; summed in level order in
+            float32 they give ``score``.
     """
 
     item_id: str
     score: float
     semantic_id: tuple[int, ...]
     title: str | None = None
+    level_scores: tuple[float, ...] = ()
 
 
 def positive_int(name: str, value: Any) -> int:
@@ -115,6 +119,8 @@ class RecommendResult:
             in catalog order.
         semantic_ids: the ``num_results`` best semantic IDs found by beam search with their
             scores, best first; with item rules, only semantic IDs with a passing item.
+        level_scores: each of ``semantic_ids``' per-level code log-probabilities
+            (``Recommendation.level_scores``), in the same order.
         prompt_tokens: prompt length in tokens.
         prefill_ms: wall time (ms) of the batch's prefill this prompt ran in.
         decode_ms: wall time (ms) of the batch's decode steps.
@@ -126,6 +132,7 @@ class RecommendResult:
 
     items: list[Recommendation] = field(default_factory=list)
     semantic_ids: list[tuple[tuple[int, ...], float]] = field(default_factory=list)
+    level_scores: list[tuple[float, ...]] = field(default_factory=list)
     prompt_tokens: int = 0
     prefill_ms: float = 0.0
     decode_ms: float = 0.0

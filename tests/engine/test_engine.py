@@ -587,7 +587,7 @@ def test_a_batch_whose_graphs_were_dropped_after_its_check_captures_alone(model_
             if threading.current_thread().name == "Y":
                 y_dropped.set()
         empty = torch.zeros(len(prompts), beam_width, dtype=torch.int64)
-        return PendingGeneration(empty, empty.float())
+        return PendingGeneration(empty, empty.float(), empty.float()[..., None])
 
     monkeypatch.setattr(engine_module, "launch_semantic_ids", launch)
     lanes = engine._lanes

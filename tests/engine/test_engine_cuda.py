@@ -116,12 +116,12 @@ def graphed_and_eager_by_hand(engine, prompts, beam_width, top_k):
     with torch.inference_mode(), graphs.lock:
         inputs = graphs.stage(prompts, plan.prefill)  # one host-to-device copy, no fills
         prefilled = graphs.replay_prefill(inputs)
-        nodes, _ = graphs.replay_decode(spec, plan.decode, inputs, prefilled)
+        nodes = graphs.replay_decode(spec, plan.decode, inputs, prefilled).nodes
         shared = graphs.shared_kv(inputs)
         code_kv = runner.allocate_code_kv(1) if together else None
         eager = runner.prefill(inputs.prefill_batch(shared, code_kv))
         batch = LevelBatch(shared, inputs.prompt_lens, inputs.cu_seqlens_host)
-        eager_nodes, _ = search_levels(spec, batch, eager, beam_width, top_k, together)
+        eager_nodes = search_levels(spec, batch, eager, beam_width, top_k, together).nodes
     return (prefilled, nodes), (eager, eager_nodes)
 
 

@@ -32,7 +32,8 @@ def test_waiting_from_two_threads_returns_the_events_to_the_pool_once(monkeypatc
     pool = generate._TimingEvents()
     monkeypatch.setattr(generate, "_TIMING_EVENTS", pool)
     events = [_FakeEvent() for _ in range(4)]
-    pending = PendingGeneration(torch.zeros(1, 2), torch.zeros(1, 2), events, device_index=0)
+    zeros = torch.zeros(1, 2)
+    pending = PendingGeneration(zeros, zeros, zeros[..., None], events, device_index=0)
     assert not pending.done()
     outputs = []
     threads = [threading.Thread(target=lambda: outputs.append(pending.wait())) for _ in range(2)]

@@ -165,6 +165,36 @@ def test_completions_with_text_and_token_ids(client, engine):
     assert [c["text"] for c in by_ids["choices"]] == [c["text"] for c in data["choices"]]
 
 
+def test_level_scores_over_http(client, engine):
+    body = {"history": ["item2", "item9"], "beam_width": 16, "num_results": 4}
+    plain = client.post("/v1/recommend", json=body).json()["items"]
+    assert all(item["level_scores"] is None for item in plain)
+    scored = client.post("/v1/recommend", json={**body, "return_level_scores": True}).json()
+    prompt = engine.history_prompt(["item2", "item9"])
+    (want,) = engine.recommend([prompt], 16, 16, 4, exclude_item_ids=[{"item2", "item9"}])
+    assert [i["item_id"] for i in scored["items"]] == [r.item_id for r in want.items]
+    for item, expected in zip(scored["items"], want.items, strict=True):
+        assert item["level_scores"] == pytest.approx(list(expected.level_scores), abs=1e-6)
+        assert sum(item["level_scores"]) == pytest.approx(item["score"], abs=1e-5)
+
+
+def test_completions_logprobs(client, engine):
+    ids = [1, 8 + 3, 8 + 16 + 4, 8 + 32 + 5]
+    body = {"prompt": ids, "n": 3, "beam_width": 16}
+    assert all(c["logprobs"] is None for c in client.post("/v1/completions", json=body).json()["choices"])
+    data = client.post("/v1/completions", json={**body, "logprobs": 0}).json()
+    (want,) = engine.recommend([ids], beam_width=16, top_k=16, num_results=3)
+    for choice, levels in zip(data["choices"], want.level_scores, strict=True):
+        logprobs = choice["logprobs"]
+        assert "".join(logprobs["tokens"]) == choice["text"]
+        assert logprobs["text_offset"] == [choice["text"].index(t) for t in logprobs["tokens"]]
+        assert logprobs["token_logprobs"] == pytest.approx(list(levels), abs=1e-6)
+        assert sum(logprobs["token_logprobs"]) == pytest.approx(choice["score"], abs=1e-5)
+        assert logprobs["top_logprobs"] is None
+    refused = client.post("/v1/completions", json={**body, "logprobs": 2})
+    assert refused.status_code == 400 and "logprobs must be 0" in refused.json()["error"]
+
+
 def test_completions_with_several_prompts(client):
     prompts = [[1, 11, 28], [1, 12]]
     data = client.post("/v1/completions", json={"prompt": prompts, "n": 2}).json()

@@ -99,6 +99,14 @@ def test_client_returns_engine_results(base_url, engine):
         )  # fmt: skip
         assert [r.item_id for r in ruled.items] == [r.item_id for r in alone.items]
         assert ruled.items and {r.item_id for r in ruled.items} <= set(allowed[5:])
+        assert all(r.level_scores == () for r in result.items)
+        scored = client.recommend(history, beam_width=16, num_results=4, return_level_scores=True)
+        (alone,) = engine.recommend(
+            [engine.history_prompt(history)], 16, 16, 4, exclude_item_ids=[set(history)]
+        )
+        for got, want in zip(scored.items, alone.items, strict=True):
+            np.testing.assert_allclose(got.level_scores, want.level_scores, atol=1e-6)
+        assert len(scored.level_scores) == len(scored.semantic_ids)
 
 
 class HeldEngine:

@@ -37,7 +37,7 @@ from xgr.engine.graph_cache import GraphCache
 from xgr.engine.graph_keys import MAX_GRAPH_WORKSPACE_BYTES, DecodeGraphKey, GraphPlan
 from xgr.engine.inputs import BatchInputs, InputStaging
 from xgr.engine.kv_pool import PromptKVPool
-from xgr.engine.search import search_levels
+from xgr.engine.search import Searched, search_levels
 from xgr.engine.spec import DecodeSpec
 from xgr.kv import BeamKV, SharedKV
 from xgr.runner import LevelBatch, ModelRunner, PrefillBatch, Prefilled, PrefillShape
@@ -261,7 +261,7 @@ class CudaGraphs:
         inputs: BatchInputs,
         prefilled: Prefilled,
         allowed: tuple[torch.Tensor, ...] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> Searched:
         """Run the search of a prefilled batch from its key's graph.
 
         Args:
@@ -275,7 +275,7 @@ class CudaGraphs:
                 ``key.filtered``; copied into the graph's own.
 
         Returns:
-            nodes, scores: (R, beam_width) graph-owned outputs; copy them before the next call.
+            The graph-owned final beams (``Searched``); copy them before the next call.
 
         Raises:
             ValueError: level 1's K/V are not ``code_kv``'s, or the prefill's outputs do not

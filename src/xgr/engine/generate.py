@@ -12,7 +12,7 @@ Steps, for R prompts, beam width B and L levels:
 Everything from the start of prefill to the end of the last level runs on the device with
 no host synchronization: the batch's host-built inputs go to the device in one copy before
 any compute, scores are computed only for each level's codes (``xgr.beam.scoring``), and
-the only device-to-host transfer is the final (R, B) result. On CUDA, prefill and the search
+the only device-to-host transfer is the final beams (nodes, scores, level scores). On CUDA, prefill and the search
 replay CUDA graphs (``xgr.engine.cuda_graph``), as ``CudaGraphs.plan`` decides.
 """
 
@@ -41,12 +41,15 @@ class GenerationOutput:
     Attributes:
         sid_index: (R, B) int64 row of ``ItemCatalog.semantic_ids`` per beam, best first.
         scores: (R, B) float32 summed log-probabilities; -inf where no valid path was left.
+        level_scores: (R, B, L) float32 log-probability of each level's code (summed in
+            level order they give ``scores``).
         prefill_ms: time of prefill (ms; device time on CUDA, from events).
         decode_ms: time of the selections and decode steps (ms; device time on CUDA).
     """
 
     sid_index: torch.Tensor
     scores: torch.Tensor
+    level_scores: torch.Tensor
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
 
@@ -71,6 +74,7 @@ class PendingGeneration:
 
     sid_index: torch.Tensor
     scores: torch.Tensor
+    level_scores: torch.Tensor
     events: list | None = None  # CUDA: start, prefill done, decode done, results on the host
     host_ms: tuple[float, float] = (0.0, 0.0)
     device_index: int = 0  # CUDA: the device the events were recorded on
@@ -85,13 +89,16 @@ class PendingGeneration:
             if self._output is not None:
                 return self._output
             if self.events is None:
-                self._output = GenerationOutput(self.sid_index, self.scores, *self.host_ms)
+                self._output = GenerationOutput(
+                    self.sid_index, self.scores, self.level_scores, *self.host_ms
+                )
                 return self._output
             self.events[3].synchronize()
             start, prefilled, decoded = self.events[:3]
             self._output = GenerationOutput(
                 self.sid_index,
                 self.scores,
+                self.level_scores,
                 start.elapsed_time(prefilled),
                 prefilled.elapsed_time(decoded),
             )
@@ -218,18 +225,19 @@ def _launch(
         events[1].record()
     prefilled_at = time.perf_counter()
     if graphed:
-        nodes, scores = graphs.replay_decode(spec, plan.decode, inputs, prefilled, allowed)
+        searched = graphs.replay_decode(spec, plan.decode, inputs, prefilled, allowed)
     else:
         batch = LevelBatch(shared, inputs.prompt_lens, inputs.cu_seqlens_host, allowed)
-        nodes, scores = search_levels(spec, batch, prefilled, beam_width, top_k, together)
+        searched = search_levels(spec, batch, prefilled, beam_width, top_k, together)
     if not cuda:
         done = time.perf_counter()
         host_ms = ((prefilled_at - start) * 1e3, (done - prefilled_at) * 1e3)
-        return PendingGeneration(nodes, scores, host_ms=host_ms)
+        return PendingGeneration(*searched.tensors(), host_ms=host_ms)
     events[2].record()
     # The one device-to-host copy, into pinned memory so that it is queued, not waited for.
-    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (nodes, scores)]
-    for dst, src in zip(host, (nodes, scores), strict=True):
+    outputs = searched.tensors()
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in outputs]
+    for dst, src in zip(host, outputs, strict=True):
         dst.copy_(src, non_blocking=True)
     events[3].record()
-    return PendingGeneration(host[0], host[1], events, device_index=index)
+    return PendingGeneration(*host, events, device_index=index)

@@ -69,6 +69,7 @@ class PendingRecommendation:
             if self._hold is not None:
                 self._hold.release()
         sid_index, scores = out.sid_index.numpy(), out.scores.numpy()
+        level_scores = out.level_scores.numpy()
         # Every live beam has a valid continuation, so no finite score means NaN or -inf
         # log-probabilities everywhere: a broken model or an overflowing dtype.
         # A request whose rules leave no item has no finite score either: it gets no items.
@@ -97,6 +98,7 @@ class PendingRecommendation:
                 scores[i],
                 self._params[i].num_results,
                 self._rules[i],
+                level_scores[i],
             )
             result.prompt_tokens = len(tokens)
             result.prefill_ms, result.decode_ms = out.prefill_ms, out.decode_ms
@@ -111,6 +113,7 @@ def build_result(
     scores: np.ndarray,
     num_results: int,
     rules: ItemRules = NO_RULES,
+    level_scores: np.ndarray | None = None,
 ) -> RecommendResult:
     """One prompt's ``RecommendResult`` from its final beams: the first ``num_results``
     semantic IDs, and the items of the first ``num_results`` that have items passing
@@ -123,25 +126,31 @@ def build_result(
         num_results: semantic IDs wanted.
         rules: the prompt's item rules (the search already kept to semantic IDs with a
             passing item; this keeps only those items).
+        level_scores: (B, L) float32 per-level code log-probabilities of each beam; None
+            leaves them empty.
     """
     result = RecommendResult()
     taken = 0
     active = rules.active
-    for sid, score in _leading_beams(sid_index, scores, num_results):
+    for beam, (sid, score) in enumerate(_leading_beams(sid_index, scores, num_results)):
         if score == float("-inf") or (
             taken == num_results and len(result.semantic_ids) == num_results
         ):
             break  # the rest of the beams (hundreds) would cost host time for nothing
         codes = tuple(catalog.semantic_ids[sid].tolist())
+        levels = () if level_scores is None else tuple(level_scores[beam].tolist())
         if len(result.semantic_ids) < num_results:
             result.semantic_ids.append((codes, score))
+            result.level_scores.append(levels)
         if taken == num_results:
             continue
         items = catalog.items_of_semantic_id(sid)
         if active:
             rows = np.array([catalog.item_index[i] for i in items], dtype=np.int64)
             items = [i for i, keep in zip(items, rules.keep(catalog, rows), strict=True) if keep]
-        result.items.extend(Recommendation(i, score, codes, titles.get(i)) for i in items)
+        result.items.extend(
+            Recommendation(i, score, codes, titles.get(i), levels) for i in items
+        )
         taken += bool(items)
     result.complete = taken == num_results
     return result

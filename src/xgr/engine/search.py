@@ -5,12 +5,35 @@ a CUDA graph captures it whole.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from xgr.beam import BeamState, constrained_beam_step
 from xgr.catalog.trie import PrefixTrie
 from xgr.engine.spec import DecodeSpec
 from xgr.runner import LevelBatch, Prefilled
+
+
+@dataclass(frozen=True)
+class Searched:
+    """The final beams of a searched batch, best first per request.
+
+    Attributes:
+        nodes: (R, beam_width) int64 semantic-ID row of each beam.
+        scores: (R, beam_width) float32 summed log-probabilities (-inf: no valid path).
+        level_scores: (R, beam_width, num_levels) float32 log-probability of each level's
+            code; summed in level order in float32 they give ``scores`` exactly. A dead
+            beam's (score -inf) are undefined.
+    """
+
+    nodes: torch.Tensor
+    scores: torch.Tensor
+    level_scores: torch.Tensor
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(nodes, scores, level_scores)."""
+        return self.nodes, self.scores, self.level_scores
 
 
 def search_levels(
@@ -20,7 +43,7 @@ def search_levels(
     beam_width: int,
     top_k: int,
     together: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> Searched:
     """Every level's selection and decode forward for a prefilled batch.
 
     The runner's first step gives level 0's rows (and level 1's, where its forward ran in
@@ -39,18 +62,24 @@ def search_levels(
         together: level 1's forward runs in the first step
             (``ModelRunner.first_levels_together``).
 
+    Each beam's level scores follow it: the parents' rows are gathered and the new code's
+    log-probability, read from the level's scores at (parent, code), appended.
+
     Returns:
-        nodes: (R, beam_width) int64 semantic-ID row of each final beam, best first.
-        scores: (R, beam_width) float32 summed log-probabilities (-inf: no valid path).
+        The final beams (``Searched``).
     """
     first = spec.runner.first_step(batch, prefilled, beam_width, together)
     log_probs = spec.scorer.log_probs_of_levels(list(first.rows))
     if len(log_probs) == 1:
         state = _level_zero(spec, log_probs[0], beam_width, top_k, batch.allowed_at(0))
+        history = _code_scores(log_probs[0][:, None, :], state)[..., None]
     else:
         state = _level_one_after_every_code(
             spec, *log_probs, beam_width, top_k, batch.allowed_at(1)
         )
+        first_scores = log_probs[0][:, spec.first_codes].gather(1, state.parents)
+        level_one = log_probs[1].view(batch.num_requests, spec.first_codes.shape[0], -1)
+        history = torch.stack([first_scores, _code_scores(level_one, state)], dim=2)
     widths = live_beam_widths(spec.trie, beam_width, top_k)[len(log_probs) - 1 :]
     beam, num_levels = first.beam, len(spec.trie.levels)
     num_requests = batch.num_requests
@@ -66,8 +95,19 @@ def search_levels(
         scores = spec.scorer.log_probs(hidden, level).view(num_requests, width, -1)
         trie_level, allowed = spec.trie.levels[level], batch.allowed_at(level)
         state = constrained_beam_step(live, scores, trie_level, None, beam_width, top_k, allowed)
+        inherited = history.gather(1, state.parents[..., None].expand(-1, -1, history.shape[2]))
+        history = torch.cat([inherited, _code_scores(scores, state)[..., None]], dim=2)
         stride, offset = width, 0
-    return state.nodes, state.scores
+    return Searched(state.nodes, state.scores, history)
+
+
+def _code_scores(log_probs: torch.Tensor, state: BeamState) -> torch.Tensor:
+    """(R, B) float32 log-probability of each new beam's code under its parent: ``log_probs``
+    (R, P, C) at (parent, code); -inf for a dead beam."""
+    num_requests, parents, codes = log_probs.shape
+    flat = log_probs.reshape(num_requests, parents * codes)
+    picked = flat.gather(1, state.parents * codes + state.codes)
+    return picked.masked_fill(state.scores == float("-inf"), float("-inf"))
 
 
 def _level_zero(

@@ -308,6 +308,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
                     score=r.score,
                     title=r.title,
                     semantic_id=engine.catalog.format_semantic_id(r.semantic_id),
+                    level_scores=list(r.level_scores) if body.return_level_scores else None,
                 )
                 for r in result.items
             ],
@@ -332,6 +333,11 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             )
         if not body.use_beam_search:
             raise XgrError("use_beam_search must be true: xgr decodes by beam search only")
+        if body.logprobs:
+            raise XgrError(
+                f"logprobs must be 0 or absent, got {body.logprobs}: each choice's own code "
+                "tokens' log-probabilities are given, not the top alternatives"
+            )
         levels = engine.catalog.num_levels
         if body.max_tokens is not None and body.max_tokens != levels:
             raise XgrError(f"max_tokens must equal the number of semantic-ID levels ({levels})")
@@ -376,7 +382,9 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
         def respond() -> bytes:  # up to 256 x 4096 choices: build and encode off the loop
             results = [a.result for a in answers]
-            response = completion_response(engine, results, body.n, state["started"])
+            response = completion_response(
+                engine, results, body.n, state["started"], logprobs=body.logprobs is not None
+            )
             return response.model_dump_json().encode()
 
         return Response(await asyncio.to_thread(respond), media_type="application/json")

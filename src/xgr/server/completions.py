@@ -7,7 +7,13 @@ import uuid
 from typing import Any
 
 from xgr.core import RecommendResult, XgrError
-from xgr.server.schemas import MAX_PROMPTS, CompletionChoice, CompletionResponse, Usage
+from xgr.server.schemas import (
+    MAX_PROMPTS,
+    CompletionChoice,
+    CompletionResponse,
+    Logprobs,
+    Usage,
+)
 
 
 def completion_prompts(prompt: Any) -> list[str | list[int]]:
@@ -35,22 +41,27 @@ def completion_prompts(prompt: Any) -> list[str | list[int]]:
 
 
 def completion_response(
-    engine: Any, results: list[RecommendResult], n: int, created: int
+    engine: Any, results: list[RecommendResult], n: int, created: int, logprobs: bool = False
 ) -> CompletionResponse:
     """Choices for each prompt's results: ``index`` = prompt index * n + rank (OpenAI's
-    numbering; a prompt with fewer than n valid semantic IDs leaves its last indexes unused)."""
+    numbering; a prompt with fewer than n valid semantic IDs leaves its last indexes unused).
+    With ``logprobs`` each choice carries its code tokens' log-probabilities."""
     catalog = engine.catalog
     choices, prompt_tokens, generated = [], 0, 0
     for prompt_index, result in enumerate(results):
         prompt_tokens += result.prompt_tokens
         for rank, (codes, score) in enumerate(result.semantic_ids):
             sid = catalog.find_semantic_id(codes)
+            text = catalog.format_semantic_id(codes)
             choices.append(
                 CompletionChoice(
                     index=prompt_index * n + rank,
-                    text=catalog.format_semantic_id(codes),
+                    text=text,
                     item_ids=catalog.items_of_semantic_id(sid),
                     score=score,
+                    logprobs=code_logprobs(catalog, codes, result.level_scores[rank])
+                    if logprobs
+                    else None,
                     finish_reason="length",
                 )
             )
@@ -66,3 +77,11 @@ def completion_response(
             total_tokens=prompt_tokens + generated,
         ),
     )
+
+
+def code_logprobs(catalog: Any, codes: tuple[int, ...], level_scores: tuple[float, ...]) -> Logprobs:
+    """OpenAI's logprobs object for one semantic ID: each code token, its log-probability
+    (``RecommendResult.level_scores``) and its character offset in the choice's text."""
+    tokens = [f"<{name}_{code}>" for name, code in zip(catalog.level_names, codes, strict=True)]
+    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    return Logprobs(tokens=tokens, token_logprobs=list(level_scores), text_offset=offsets)

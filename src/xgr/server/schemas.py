@@ -50,6 +50,9 @@ class RecommendRequest(BaseModel):
     truncate_history: bool = Field(
         False, description="Drop the oldest items when the prompt is too long (else 413)."
     )
+    return_level_scores: bool = Field(
+        False, description="Give each item the log-probability of each level's code."
+    )
     deadline_ms: float | None = Field(
         None,
         allow_inf_nan=False,
@@ -66,6 +69,11 @@ class RecommendedItem(BaseModel):
     score: float = Field(description="Summed log-probability of the item's semantic ID.")
     semantic_id: str
     title: str | None = None
+    level_scores: list[float] | None = Field(
+        None,
+        description="Log-probability of each level's code (they sum to score); only with "
+        "return_level_scores.",
+    )
 
 
 class Timings(BaseModel):
@@ -114,7 +122,22 @@ class CompletionRequest(BaseModel):
     temperature: float | None = Field(
         None, allow_inf_nan=False, ge=0, le=2, description="Ignored (beam search)."
     )
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        description="0: each choice carries the log-probability of each of its code tokens "
+        "(OpenAI's logprobs object; the alternatives, top_logprobs, are not computed).",
+    )
     user: str | None = Field(None, max_length=256)
+
+
+class Logprobs(BaseModel):
+    """OpenAI's completion logprobs: one entry per generated (code) token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: None = None
+    text_offset: list[int]
 
 
 class CompletionChoice(BaseModel):
@@ -122,6 +145,7 @@ class CompletionChoice(BaseModel):
     text: str = Field(description="The semantic-ID tokens, e.g. '<a_1><b_2><c_3>'.")
     item_ids: list[str]
     score: float
+    logprobs: Logprobs | None = None
     finish_reason: Literal["length"]
 
 
