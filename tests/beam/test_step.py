@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 
@@ -309,3 +310,22 @@ def test_full_search_finds_every_semantic_id_ranked(layout):
     torch.testing.assert_close(
         state.scores[0], torch.tensor([total(r) for r in expected]), rtol=0, atol=1e-5
     )
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_early_termination_bound_is_reached_by_the_winners(seed):
+    from xgr.beam.step import early_termination_bound
+
+    gen = torch.Generator().manual_seed(seed)
+    requests, beams, width = 3, int(torch.randint(1, 20, (1,), generator=gen)), 7
+    cand = torch.randn(requests * beams, width, generator=gen)
+    cand[torch.rand(cand.shape, generator=gen) < 0.4] = float("-inf")
+    keeps = sorted({1, beams, 2 * beams + 1, beams * width})
+    for keep, per_beam in itertools.product(keeps, (1, 3)):
+        bound = early_termination_bound(cand, requests, keep, per_beam)
+        kth = cand.view(requests, -1).topk(keep, dim=1).values[:, -1]
+        assert bound.shape == (requests,)
+        assert torch.all(bound <= kth), (keep, bound, kth)
+        # A single beam's candidates are the whole pool: the bound is exact.
+        if beams == 1:
+            assert torch.equal(bound, kth)

@@ -24,7 +24,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize("layout", ["dense", "csr"])
-@pytest.mark.parametrize("pool_topk", ["triton", "torch"])
+@pytest.mark.parametrize("pool_topk", ["triton", "xbeam", "torch"])
 def test_triton_step_equals_reference(monkeypatch, seed, layout, pool_topk):
     monkeypatch.setattr(step_module, "POOL_TOPK", pool_topk)
     rng = np.random.default_rng(seed)
@@ -45,13 +45,17 @@ def test_triton_step_equals_reference(monkeypatch, seed, layout, pool_topk):
     state = BeamState(scores, nodes, torch.zeros_like(nodes), torch.zeros_like(nodes))
     on_device = BeamState(*(t.to(DEVICE) for t in (scores, nodes, nodes, nodes)))
     # (1, 3): one beam kept from a pool of several (the top-k keeps 2, writes 1).
-    for beam_width, top_k in ((4, 2), (8, codebook), (3 * prev * codebook, 1), (1, 3)):
+    # Item rules: each request its own children allowed (None in some cases).
+    allowed = torch.rand(requests, level.num_children, generator=gen) < 0.6
+    cases = ((4, 2, None), (8, codebook, allowed), (3 * prev * codebook, 1, None), (1, 3, allowed))
+    for beam_width, top_k, rules in cases:
         expected = constrained_beam_step(
-            state, log_probs, trie.levels[depth], None, beam_width, top_k
+            state, log_probs, trie.levels[depth], None, beam_width, top_k, rules
         )
         got = constrained_beam_step_triton(
-            on_device, log_probs.to(DEVICE), level, beam_width, top_k
-        )
+            on_device, log_probs.to(DEVICE), level, beam_width, top_k,
+            None if rules is None else rules.to(DEVICE),
+        )  # fmt: skip
         torch.testing.assert_close(got.scores.cpu(), expected.scores)
         live = expected.scores > float("-inf")
         for field in ("nodes", "codes", "parents"):

@@ -430,3 +430,14 @@ def test_huge_or_non_ascii_codes_are_malformed(tmp_path):
             _Catalog.from_index_json(path)
     with pytest.raises(_Error, match="codebook_size"):
         _Catalog.from_codes(["x"], [[1]], True)
+
+
+def test_item_rows_of_semantic_ids_follow_each_ids_catalog_order():
+    rng = np.random.default_rng(4)
+    codes = rng.integers(0, 3, size=(200, 2))  # 9 semantic IDs: many collisions
+    catalog = ItemCatalog.from_codes([f"i{k}" for k in range(200)], codes, 3)
+    sids = np.array([4, 0, 4, catalog.num_semantic_ids - 1], dtype=np.int64)
+    rows, counts = catalog.item_rows_of_semantic_ids(sids)
+    want = [catalog.items_of_semantic_id(int(s)) for s in sids]
+    assert counts.tolist() == [len(w) for w in want]
+    assert [catalog.item_ids[r] for r in rows.tolist()] == [i for w in want for i in w]

@@ -177,3 +177,30 @@ def test_an_empty_filter_keeps_every_item_and_huge_integers_are_refused(model_di
     for spec in ({"stock": 2**70}, {"stock": {"lt": -(2**64)}}, {"stock": {"in": [1, 2**63]}}):
         with pytest.raises(XgrError, match="outside the 64-bit integer range"):
             engine.recommend(PROMPTS[:1], item_filter=[spec])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_masks_are_built_without_host_sync(model_dirs, tmp_path):
+    """The masks are built while the prefill runs: a wait for the stream would stall it."""
+    from xgr.catalog.rules import request_rules
+
+    catalog = catalog_with_collisions()
+    write_attributes(catalog, tmp_path / "attributes.csv")
+    catalog.load_attributes(tmp_path / "attributes.csv")
+    engine = engine_on(model_dirs["qwen2"], catalog, "cuda")
+    items = catalog.item_ids
+    rules = request_rules(
+        catalog, 3, allow_item_ids=[items[::3], None, None],
+        exclude_item_ids=[None, items[:40], None],
+        item_filter=[None, {"category": "Lab", "new": True},
+                     {"price": {"lt": 30}, "category": {"in": ["Tools", "Garden"]}}],
+    )  # fmt: skip
+    want = engine.catalog_masks.masks(rules)  # the first: the catalog's tables reach the device
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = engine.catalog_masks.masks(rules)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert not bool(got[-1][0].all()) and bool(got[-1][0].any())

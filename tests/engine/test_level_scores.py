@@ -45,9 +45,14 @@ def t5_log_probs(model):
 
     def log_probs_of(prompt, tokens):
         with torch.no_grad():
-            logits = model(
-                input_ids=torch.tensor([prompt]), decoder_input_ids=torch.tensor([[start, *tokens[:-1]]])
-            ).logits[0].float()
+            logits = (
+                model(
+                    input_ids=torch.tensor([prompt]),
+                    decoder_input_ids=torch.tensor([[start, *tokens[:-1]]]),
+                )
+                .logits[0]
+                .float()
+            )
         return torch.log_softmax(logits, -1)
 
     return log_probs_of
@@ -83,9 +88,7 @@ def test_decoder_level_scores(model_dirs, device, arch, beam_width):
     # Alone at beam 40 (16 first-level codes) level 1 runs within the prefill; batched not.
     results = engine.recommend(prompts, **search) + engine.recommend(prompts[:1], **search)
     # With rules the search takes the masked path.
-    results += engine.recommend(
-        prompts[:1], **search, exclude_item_ids=[catalog.item_ids[:50]]
-    )
+    results += engine.recommend(prompts[:1], **search, exclude_item_ids=[catalog.item_ids[:50]])
     for prompt, result in zip([*prompts, prompts[0], prompts[0]], results, strict=True):
         check_level_scores(result, prompt, decoder_log_probs(hf), sid_map)
 

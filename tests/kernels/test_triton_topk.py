@@ -57,6 +57,27 @@ def test_pool_topk_equals_a_stable_descending_sort(monkeypatch, rows, n, keep, c
     assert torch.equal(index, want_index)
 
 
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("tight", [False, True])
+def test_a_bound_skips_chunks_and_changes_nothing(monkeypatch, ties, tight):
+    """Rows sorted like a beam step's pool (better beams first): with a bound at or below the
+    keep-th best, the later chunks are skipped and the winners stay those of a sort."""
+    if DEVICE == "cpu":
+        monkeypatch.setattr(triton_topk, "TOPK_CHUNK", 32)
+    rows, n, keep = 3, 600, 20
+    pool = make_pool(rows, n, seed=7, ties=ties).cpu()
+    pool = pool - torch.arange(n)[None, :] / 10  # later entries lower: whole chunks below
+    pool = pool.to(DEVICE)
+    want_scores, want_index = topk_reference(pool, keep)
+    kth = want_scores[:, -1]
+    bound = kth if tight else kth - 1.0
+    bound = torch.where(torch.isinf(kth), kth, bound)  # the mostly dead row: no bound
+    scores, index = pool_topk(pool, keep, bound.contiguous())
+    assert torch.equal(scores, want_scores) and torch.equal(index, want_index)
+    with pytest.raises(ValueError, match="bound must be"):
+        pool_topk(pool, keep, bound[:2])
+
+
 def test_signed_zeros_tie():
     """-0.0 and +0.0 are equal scores: they keep their pool order, as a stable sort does."""
     pool = torch.tensor([[-0.0, 0.0, -0.0, 0.0, -1.0, float("-inf")]], device=DEVICE)

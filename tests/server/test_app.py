@@ -181,7 +181,9 @@ def test_level_scores_over_http(client, engine):
 def test_completions_logprobs(client, engine):
     ids = [1, 8 + 3, 8 + 16 + 4, 8 + 32 + 5]
     body = {"prompt": ids, "n": 3, "beam_width": 16}
-    assert all(c["logprobs"] is None for c in client.post("/v1/completions", json=body).json()["choices"])
+    assert all(
+        c["logprobs"] is None for c in client.post("/v1/completions", json=body).json()["choices"]
+    )
     data = client.post("/v1/completions", json={**body, "logprobs": 0}).json()
     (want,) = engine.recommend([ids], beam_width=16, top_k=16, num_results=3)
     for choice, levels in zip(data["choices"], want.level_scores, strict=True):

@@ -16,8 +16,13 @@ from xgr.catalog.trie import TrieLevel
 
 NEG_INF = float("-inf")
 # How ``constrained_beam_step_triton`` selects each request's pool: "auto" (the measured
-# choice below), "triton" (bitonic top-k in chunks) or "torch" (``torch.topk``).
+# choice below), "triton" (bitonic top-k in chunks), "xbeam" (the same, skipping the chunks
+# below an early-termination bound, ``early_termination_bound``) or "torch" (``torch.topk``).
 POOL_TOPK = "auto"
+POOL_TOPK_MODES = ("auto", "triton", "xbeam", "torch")
+# Each beam's best candidates that "xbeam" bounds the winners from (at least; more where the
+# request has fewer beams than winners): more give a tighter bound for a larger top-k.
+XBEAM_CANDIDATES_PER_BEAM = 1
 # "auto" takes torch.topk for pools of at least this many times the beams kept: in
 # ``benchmarks/selection.py`` (beams 256 and 512) the Triton top-k won on the smaller pools
 # (the root's codes, the last level's few children a beam) and lost to torch.topk's radix
@@ -143,19 +148,18 @@ def constrained_beam_step_triton(
 ) -> BeamState:
     """``constrained_beam_step`` on code log-probabilities with Triton kernels.
 
-    One kernel scores every beam's candidates (trie lookup, gather, mask), the request's
-    pool is selected as ``POOL_TOPK`` says (Triton's bitonic top-k in chunks,
+    One kernel scores every beam's candidates (trie lookup, gather, the item rules' mask),
+    the request's pool is selected as ``POOL_TOPK`` says (Triton's bitonic top-k in chunks,
     ``xgr.kernels.triton_topk.pool_topk``, for pools under 64 x the beams kept, else
     ``torch.topk`` unsorted, its winners then ordered by ``pool_topk``), one kernel resolves
-    the winners' parents, codes and trie nodes. Same
-    arguments and result as
+    the winners' parents, codes and trie nodes. Same arguments and result as
     ``constrained_beam_step`` with ``level_token_ids=None`` (the order among exactly equal
     scores is the top-k's: the lower pool position first for the Triton one, unspecified for
     ``torch.topk``); (R, B_prev, codebook_size) float32 ``log_probs`` with a contiguous last
     dimension.
 
     Raises:
-        ValueError: ``POOL_TOPK`` is not "auto", "triton" or "torch".
+        ValueError: ``POOL_TOPK`` is none of ``POOL_TOPK_MODES``.
     """
     from xgr.kernels.triton_beam import gather_selected, score_candidates
     from xgr.kernels.triton_topk import pool_topk
@@ -163,11 +167,8 @@ def constrained_beam_step_triton(
     num_requests, prev_beams, num_codes = log_probs.shape
     nodes = state.nodes.reshape(-1)
     cand = score_candidates(
-        log_probs.reshape(-1, num_codes), nodes, state.scores.reshape(-1), level
+        log_probs.reshape(-1, num_codes), nodes, state.scores.reshape(-1), level, allowed
     )
-    if allowed is not None:
-        _, children, _ = level.expand(nodes)
-        cand = _mask_children(cand, children, allowed)
     width = cand.shape[1]
     if top_k >= width:
         k, slot = width, None
@@ -177,12 +178,17 @@ def constrained_beam_step_triton(
         beam_best, slot = cand.topk(k, dim=1)
         pool = beam_best.view(num_requests, prev_beams * k)
     keep = min(beam_width, prev_beams * k)
-    if POOL_TOPK not in ("auto", "triton", "torch"):
-        raise ValueError(f"POOL_TOPK must be 'auto', 'triton' or 'torch', got {POOL_TOPK!r}")
+    if POOL_TOPK not in POOL_TOPK_MODES:
+        raise ValueError(f"POOL_TOPK must be one of {POOL_TOPK_MODES}, got {POOL_TOPK!r}")
     use_triton = POOL_TOPK == "triton" or (
         POOL_TOPK == "auto" and pool.shape[1] < TORCH_TOPK_MIN_POOL_RATIO * keep
     )
-    if use_triton:
+    if POOL_TOPK == "xbeam" and prev_beams > 1:
+        bound = early_termination_bound(
+            cand if slot is None else beam_best, num_requests, keep, XBEAM_CANDIDATES_PER_BEAM
+        )
+        scores, flat = pool_topk(pool, keep, bound)
+    elif use_triton or POOL_TOPK == "xbeam":
         scores, flat = pool_topk(pool, keep)
     else:
         # The winners unsorted, then ordered by the bitonic kernel: torch's own ordering (a
@@ -193,6 +199,39 @@ def constrained_beam_step_triton(
         flat = flat.gather(1, order)
     new_nodes, codes, parents = gather_selected(flat, slot, scores, nodes, level, k)
     return _pad_beams(BeamState(scores, new_nodes, codes, parents), beam_width)
+
+
+def early_termination_bound(
+    candidates: torch.Tensor, num_requests: int, keep: int, per_beam: int = 1
+) -> torch.Tensor:
+    """A lower bound on each request's ``keep``-th best candidate, from each beam's best
+    (xBeam's early sorting termination: Sun et al., "xGR: Efficient Generative
+    Recommendation Serving at Scale", arXiv:2512.11529).
+
+    The ``keep``-th best among any ``keep`` or more of a request's candidates is reached by
+    at least ``keep`` of them, so the request's ``keep`` winners all reach it. The subset
+    taken is each beam's ``c = ceil(keep / beams)`` best candidates (its best alone when the
+    request has at least ``keep`` beams), or ``per_beam`` where that is more.
+
+    Args:
+        candidates: (R * beams, W) float32 scores of each beam's candidates (-inf: none),
+            request-major.
+        num_requests: R.
+        keep: winners per request, 1 <= keep <= beams * W.
+        per_beam: candidates taken from each beam at least (at most W are).
+
+    Returns:
+        (R,) float32 bound (-inf where fewer than ``keep`` candidates are valid).
+    """
+    beams = candidates.shape[0] // num_requests
+    per_beam = min(max(-(-keep // beams), per_beam), candidates.shape[1])
+    if per_beam == 1:
+        best = candidates.amax(dim=1)
+    else:
+        best = candidates.topk(per_beam, dim=1, sorted=False).values
+    best = best.reshape(num_requests, -1)
+    # The keep-th largest is the (n - keep + 1)-th smallest.
+    return best.kthvalue(best.shape[1] - keep + 1, dim=1).values
 
 
 def _mask_children(

@@ -304,7 +304,9 @@ def _apply(cond: Condition, values, present, xp):
                 member = member | (values == value)
         else:
             if xp is torch:
-                operand = torch.tensor(cond.values, dtype=values.dtype, device=values.device)
+                operand = torch.tensor(cond.values, dtype=values.dtype)
+                if values.is_cuda:  # pinned: queued without waiting for the stream's work
+                    operand = operand.pin_memory().to(values.device, non_blocking=True)
             else:
                 operand = np.asarray(cond.values, dtype=values.dtype)
             member = xp.isin(values, operand)

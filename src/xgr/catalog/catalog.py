@@ -225,6 +225,22 @@ class ItemCatalog:
         # As Python ints: indexing the list with NumPy integers took twice the host time.
         return [self.item_ids[i] for i in self._sid_item_order[lo:hi].tolist()]
 
+    def item_rows_of_semantic_ids(self, sid_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The catalog rows of the items of several semantic IDs, each one's in catalog order.
+
+        Args:
+            sid_rows: (S,) int64 rows of ``semantic_ids``, each in range.
+
+        Returns:
+            rows: (N,) int64 item rows, semantic ID after semantic ID; counts: (S,) int64
+            items of each.
+        """
+        lo, hi = self._sid_item_ptr[sid_rows], self._sid_item_ptr[sid_rows + 1]
+        counts = hi - lo
+        # Each item's place in _sid_item_order: its semantic ID's start plus its rank there.
+        starts = np.repeat(lo - np.cumsum(counts) + counts, counts)
+        return self._sid_item_order[starts + np.arange(counts.sum())], counts
+
     def rows_of(self, item_ids) -> np.ndarray:
         """Catalog rows of item ids (an iterable of strings), -1 for ids the catalog lacks:
         (N,) int64."""

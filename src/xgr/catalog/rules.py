@@ -166,16 +166,26 @@ class CatalogMasks:
     def item_mask(self, rules: ItemRules) -> torch.Tensor:
         """(num_items,) bool on the device: the items passing ``rules``."""
         num_items, device = len(self.catalog), self.device
+        # index_fill_, not index assignment: on CUDA the assignment (index_put_) waits for
+        # the stream, which the masks are built behind (the prefill).
         if rules.allow is not None:
             passed = torch.zeros(num_items, dtype=torch.bool, device=device)
-            passed[torch.from_numpy(rules.allow).to(device)] = True
+            passed.index_fill_(0, self._rows_on_device(rules.allow), True)
         else:
             passed = torch.ones(num_items, dtype=torch.bool, device=device)
         if rules.exclude is not None and len(rules.exclude):
-            passed[torch.from_numpy(rules.exclude).to(device)] = False
+            passed.index_fill_(0, self._rows_on_device(rules.exclude), False)
         if rules.filter is not None:
             passed &= rules.filter.mask(self.catalog.attributes, device)
         return passed
+
+    def _rows_on_device(self, rows: np.ndarray) -> torch.Tensor:
+        """Catalog rows on the device; on CUDA from pinned memory, queued without waiting (a
+        copy from pageable memory would wait for the stream's earlier work, the prefill)."""
+        host = torch.from_numpy(rows)
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def masks(self, rules: list[ItemRules]) -> tuple[torch.Tensor, ...] | None:
         """Each level's allowed children for a batch: masks[l] is (R, nodes at depth l + 1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -336,7 +337,7 @@ class Engine:
 
     def _launch(self, lane: Lane, tokenized: list[np.ndarray], search: SearchParams, rules: list):
         """Queue a batch on a lane (``Lanes.run``), its graphs planned once and its trie
-        masks built on the lane's stream."""
+        masks built on the lane's stream while its prefill runs."""
         graphs, width, top_k = lane.graphs, search.beam_width, search.top_k
         filtered = any(r.active for r in rules)
         if graphs is None:
@@ -347,9 +348,9 @@ class Engine:
             plan = graphs.plan(lens, width, top_k, together, filtered=filtered)
 
         def launch():
-            allowed = self.catalog_masks.masks(rules) if filtered else None
+            masks = functools.partial(self.catalog_masks.masks, rules) if filtered else None
             spec = self.decode_spec
-            return launch_semantic_ids(spec, tokenized, width, top_k, graphs, plan, allowed)
+            return launch_semantic_ids(spec, tokenized, width, top_k, graphs, plan, masks)
 
         return self._lanes.run(lane, launch, lambda: graphs.needs_capture(plan, lens))
 

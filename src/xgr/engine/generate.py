@@ -12,15 +12,16 @@ Steps, for R prompts, beam width B and L levels:
 Everything from the start of prefill to the end of the last level runs on the device with
 no host synchronization: the batch's host-built inputs go to the device in one copy before
 any compute, scores are computed only for each level's codes (``xgr.beam.scoring``), and
-the only device-to-host transfer is the final beams (nodes, scores, level scores). On CUDA, prefill and the search
-replay CUDA graphs (``xgr.engine.cuda_graph``), as ``CudaGraphs.plan`` decides.
+the only device-to-host transfer is the final beams (nodes, scores, level scores). On
+CUDA, prefill and the search replay CUDA graphs (``xgr.engine.cuda_graph``), as
+``CudaGraphs.plan`` decides.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -172,7 +173,7 @@ def launch_semantic_ids(
     top_k: int,
     graphs: CudaGraphs | None = None,
     plan: GraphPlan | None = None,
-    allowed: tuple[torch.Tensor, ...] | None = None,
+    build_masks: Callable[[], tuple[torch.Tensor, ...]] | None = None,
 ) -> PendingGeneration:
     """``generate_semantic_ids`` without waiting: on CUDA the batch's work, ending with the
     copy of its results into pinned host memory, is queued on the current stream and this
@@ -183,22 +184,24 @@ def launch_semantic_ids(
     Args:
         plan: the batch's ``graphs.plan``, when the caller made it already; None makes it
             here.
-        allowed: the batch's trie masks (``xgr.catalog.rules.CatalogMasks.masks``) where
-            some request has item rules; None: every valid path.
+        build_masks: where some request has item rules, makes the batch's trie masks
+            (``xgr.catalog.rules.CatalogMasks.masks``); called once the prefill is queued, so
+            that its host work overlaps the prefill's device work. None: every valid path.
         Others: as ``generate_semantic_ids``.
     """
     if graphs is None:
-        return _launch(spec, prompts, beam_width, top_k, None, EAGER, allowed)
+        return _launch(spec, prompts, beam_width, top_k, None, EAGER, build_masks)
     with graphs.lock:  # one launch at a time into the graphs' buffers
         if plan is None:
             together = spec.runner.first_levels_together(len(prompts), beam_width)
             lens = [len(p) for p in prompts]
-            plan = graphs.plan(lens, beam_width, top_k, together, filtered=allowed is not None)
-        return _launch(spec, prompts, beam_width, top_k, graphs, plan, allowed)
+            filtered = build_masks is not None
+            plan = graphs.plan(lens, beam_width, top_k, together, filtered=filtered)
+        return _launch(spec, prompts, beam_width, top_k, graphs, plan, build_masks)
 
 
 def _launch(
-    spec, prompts, beam_width, top_k, graphs, plan: GraphPlan, allowed
+    spec, prompts, beam_width, top_k, graphs, plan: GraphPlan, build_masks
 ) -> PendingGeneration:
     runner = spec.runner
     device = spec.scorer.sid_token_ids.device
@@ -224,6 +227,7 @@ def _launch(
     if cuda:
         events[1].record()
     prefilled_at = time.perf_counter()
+    allowed = build_masks() if build_masks is not None else None
     if graphed:
         searched = graphs.replay_decode(spec, plan.decode, inputs, prefilled, allowed)
     else:

@@ -19,9 +19,9 @@ NEG_INF = float("-inf")
 
 @triton.jit
 def _score_candidates_kernel(
-    LOGP, NODES, SCORES, TABLE, ROW_PTR, CHILD_CODE, CAND,
-    stride_lp, num_parents, num_codes, width,
-    DENSE: tl.constexpr, BLOCK: tl.constexpr,
+    LOGP, NODES, SCORES, TABLE, ROW_PTR, CHILD_CODE, ALLOWED, CAND,
+    stride_lp, num_parents, num_codes, width, beams_per_request, num_children,
+    DENSE: tl.constexpr, HAS_ALLOWED: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -37,6 +37,11 @@ def _score_candidates_kernel(
         end = tl.load(ROW_PTR + node + 1)
         valid = in_row & (start + j < end)
         code = tl.load(CHILD_CODE + start + j, mask=valid, other=0)
+        child = start + j
+    if HAS_ALLOWED:  # the request's item rules: only children with a passing item
+        request = (n // beams_per_request).to(tl.int64)
+        ok = tl.load(ALLOWED + request * num_children + child, mask=valid, other=0)
+        valid = valid & (ok != 0)
     code = tl.minimum(tl.maximum(code, 0), num_codes - 1)
     lp = tl.load(LOGP + n * stride_lp + code, mask=valid, other=0.0)
     cand = lp + base
@@ -46,7 +51,11 @@ def _score_candidates_kernel(
 
 
 def score_candidates(
-    log_probs: torch.Tensor, nodes: torch.Tensor, scores: torch.Tensor, level
+    log_probs: torch.Tensor,
+    nodes: torch.Tensor,
+    scores: torch.Tensor,
+    level,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Score of every candidate of every beam: its code's log-probability plus the beam's.
 
@@ -54,9 +63,11 @@ def score_candidates(
         log_probs: (N, codebook_size) float32 log-probabilities of the level's codes.
         nodes: (N,) int64 trie node of each beam. scores: (N,) float32 beam scores.
         level: the ``TrieLevel`` (dense table or CSR) on the same device.
+        allowed: (R, level.num_children) bool, the children each request may take, the N
+            beams request-major (N / R each); None: every child.
 
     Returns:
-        (N, level.width) float32; -inf for invalid candidates and NaN scores.
+        (N, level.width) float32; -inf for invalid or disallowed candidates and NaN scores.
     """
     log_probs, nodes, scores = log_probs.contiguous(), nodes.contiguous(), scores.contiguous()
     rows, num_codes = log_probs.shape
@@ -67,11 +78,15 @@ def score_candidates(
     table = level.child_table if dense else level.row_ptr
     row_ptr = level.row_ptr if not dense else table
     child_code = level.child_code if not dense else table
+    per_request = rows // allowed.shape[0] if allowed is not None else 1
+    if allowed is not None:
+        allowed = allowed.contiguous().view(torch.uint8)  # bool as bytes for the kernel
     if rows:
         _score_candidates_kernel[(rows, triton.cdiv(width, block))](
-            log_probs, nodes, scores, table, row_ptr, child_code, cand,
-            log_probs.stride(0), level.num_parents, num_codes, width,
-            DENSE=dense, BLOCK=block,
+            log_probs, nodes, scores, table, row_ptr, child_code,
+            allowed if allowed is not None else nodes, cand,
+            log_probs.stride(0), level.num_parents, num_codes, width, per_request,
+            level.num_children, DENSE=dense, HAS_ALLOWED=allowed is not None, BLOCK=block,
         )  # fmt: skip
     return cand
 

@@ -26,14 +26,17 @@ TOPK_CHUNK = 4096
 
 @triton.jit
 def _pool_topk_kernel(
-    IN, OUT_KEYS, OUT_SCORES, OUT_INDEX,
+    IN, BOUND, OUT_KEYS, OUT_SCORES, OUT_INDEX,
     n_in, keep, stride_in, stride_out,
     CHUNK: tl.constexpr, K: tl.constexpr, FROM_SCORES: tl.constexpr, FINAL: tl.constexpr,
+    HAS_BOUND: tl.constexpr,
 ):  # fmt: skip
     """Grid: (requests, chunks). Top K keys of IN[r, c * CHUNK : (c + 1) * CHUNK].
 
     FROM_SCORES: IN holds float32 scores (packed here), else the previous round's keys.
     FINAL: write the first ``keep`` winners unpacked (score, position); else K keys.
+    HAS_BOUND: BOUND[r] is a lower bound on the row's keep-th best score; a chunk whose
+    every entry is below it cannot hold a winner and is not sorted (K lowest keys out).
     """
     # 64-bit offsets: rows x pool entries may pass 2**31.
     r = tl.program_id(0).to(tl.int64)
@@ -52,7 +55,17 @@ def _pool_topk_kernel(
         key = tl.where(ok, key, -9223372036854775808)
     else:
         key = tl.load(IN + r * stride_in + offs, mask=ok, other=-9223372036854775808)
-    best = tl.topk(key, K)  # descending
+    skip = False
+    if HAS_BOUND:
+        bound = tl.load(BOUND + r)
+        bound_bits = bound.to(tl.int32, bitcast=True)
+        bound_key = tl.where(bound_bits >= 0, bound_bits, bound_bits ^ 0x7FFFFFFF)
+        bound_key = tl.where(bound == 0.0, 0, bound_key)
+        skip = tl.max(key >> 32) < bound_key
+    if skip:
+        best = tl.full([K], -9223372036854775808, tl.int64)
+    else:
+        best = tl.topk(key, K)  # descending
     i = tl.arange(0, K)
     if FINAL:
         ordered = (best >> 32).to(tl.int32)
@@ -64,13 +77,21 @@ def _pool_topk_kernel(
         tl.store(OUT_KEYS + r * stride_out + c * K + i, best)
 
 
-def pool_topk(pool: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pool_topk(
+    pool: torch.Tensor, keep: int, bound: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``keep`` best entries of each row, best first, ties to the lower position.
+
+    With ``bound`` this is xBeam's early sorting termination (arXiv:2512.11529): a chunk
+    of the pool whose every entry is below the bound holds no winner and skips its sort
+    (later rounds skip chunks of only skipped winners). The result is the same as without.
 
     Args:
         pool: (R, n) float32 scores on a CUDA device (or any device under Triton's
             interpreter); NaN must already be replaced (the beam step scores it -inf).
         keep: 1 <= keep <= n entries per row.
+        bound: (R,) float32, for each row a score that at least ``keep`` of its entries
+            reach (for instance the keep-th best of any of its entries); None: no bound.
 
     Returns:
         scores: (R, keep) float32; index: (R, keep) int64 positions in the row.
@@ -85,6 +106,8 @@ def pool_topk(pool: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor
         raise ValueError(f"keep must be in 1..{n}, got {keep}")
     if n >= 2**32:
         raise ValueError(f"pools of {n} entries are beyond the 32-bit positions of the keys")
+    if bound is not None and (bound.shape != (rows,) or bound.dtype != torch.float32):
+        raise ValueError(f"bound must be ({rows},) float32, got {tuple(bound.shape)} {bound.dtype}")
     pool = pool.contiguous()
     # tl.topk needs k >= 2 (k = 1 reduces to a scalar); keep <= k entries are written.
     k = max(2, triton.next_power_of_2(keep))
@@ -102,8 +125,9 @@ def pool_topk(pool: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor
             index if final else torch.empty(rows, chunks * k, dtype=torch.int64, device=pool.device)
         )
         _pool_topk_kernel[(rows, chunks)](
-            src, keys, scores, index, count, keep, src.stride(0), keys.stride(0),
-            CHUNK=chunk, K=k, FROM_SCORES=from_scores, FINAL=final,
+            src, bound if bound is not None else scores, keys, scores, index, count, keep,
+            src.stride(0), keys.stride(0),
+            CHUNK=chunk, K=k, FROM_SCORES=from_scores, FINAL=final, HAS_BOUND=bound is not None,
             num_warps=8 if chunk >= 2048 else 4,
         )  # fmt: skip
         if final:

@@ -79,7 +79,9 @@ def completion_response(
     )
 
 
-def code_logprobs(catalog: Any, codes: tuple[int, ...], level_scores: tuple[float, ...]) -> Logprobs:
+def code_logprobs(
+    catalog: Any, codes: tuple[int, ...], level_scores: tuple[float, ...]
+) -> Logprobs:
     """OpenAI's logprobs object for one semantic ID: each code token, its log-probability
     (``RecommendResult.level_scores``) and its character offset in the choice's text."""
     tokens = [f"<{name}_{code}>" for name, code in zip(catalog.level_names, codes, strict=True)]
