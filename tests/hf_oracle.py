@@ -53,8 +53,12 @@ def _constrained_generate(model, prompt, catalog, sid_map, beam_width, skip: int
     def prefix_fn(batch_id, ids):
         return allowed_after(tuple(ids[skip:].tolist()))
 
+    if isinstance(prompt, torch.Tensor):  # (n, hidden) input embeddings
+        inputs = {"inputs_embeds": prompt[None]}
+    else:
+        inputs = {"input_ids": torch.tensor([prompt])}
     out = model.generate(
-        torch.tensor([prompt]),
+        **inputs,
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
         num_beams=beam_width,
         num_return_sequences=beam_width,
@@ -85,11 +89,24 @@ def hf_constrained_beam_search(
     return results
 
 
-def hf_t5_constrained_beam_search(
-    model, prompt: list[int], catalog: ItemCatalog, sid_map: np.ndarray, beam_width: int
+def hf_constrained_beam_search_embeds(
+    model, embeds: torch.Tensor, catalog: ItemCatalog, sid_map: np.ndarray, beam_width: int
 ) -> list[tuple[tuple[int, ...], float]]:
-    """The encoder-decoder analogue of ``hf_constrained_beam_search``: the prompt is the
-    encoder input, the decoder output starts with the decoder start token.
+    """``hf_constrained_beam_search`` of a prompt given as its input embeddings,
+    ``generate(inputs_embeds=...)`` ((n, hidden) float32): the sequences hold only the
+    generated tokens."""
+    _, results = _constrained_generate(
+        model, embeds, catalog, sid_map, beam_width, 0, pad_token_id=0
+    )
+    return results
+
+
+def hf_t5_constrained_beam_search(
+    model, prompt, catalog: ItemCatalog, sid_map: np.ndarray, beam_width: int
+) -> list[tuple[tuple[int, ...], float]]:
+    """The encoder-decoder analogue of ``hf_constrained_beam_search``: the prompt (token
+    ids, or an (n, d_model) tensor of the encoder's input embeddings) is the encoder input,
+    the decoder output starts with the decoder start token.
 
     Returns:
         [(codes, score)] best first, filler beams dropped.

@@ -4,7 +4,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from xgr.catalog import ItemCatalog
 from xgr.client import Client
-from xgr.core import Recommendation, RecommendResult, SearchParams, XgrError
+from xgr.core import Prompt, Recommendation, RecommendResult, SearchParams, XgrError
 from xgr.engine import Engine
 
 try:
@@ -17,6 +17,7 @@ __all__ = [
     "Client",
     "Engine",
     "ItemCatalog",
+    "Prompt",
     "Recommendation",
     "RecommendResult",
     "SearchParams",

@@ -75,6 +75,28 @@ def positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt whose input embeddings are given in places (or everywhere).
+
+    ``Prompt(token_ids=ids, embeds=[(offset, values), ...])``: each span's ``values``
+    replace the model's input embeddings at positions offset .. offset + n - 1; the token
+    ids there are placeholders (any id of the vocabulary). ``Prompt(embeds=values)``: a
+    prompt made only of embeddings. For a T5-family model the embeddings are the encoder's
+    input. The engine checks the spans (``Engine.recommend``).
+
+    Attributes:
+        token_ids: the prompt's token ids (ints, or an int NumPy array); None for a prompt
+            made only of embeddings.
+        embeds: a list of (offset, values) spans, ``values`` an (n, hidden_size) float32,
+            bfloat16 or float16 array (NumPy or torch); or, with no token ids, one such
+            array for the whole prompt.
+    """
+
+    token_ids: Any = None
+    embeds: Any = ()
+
+
 # Widest beam accepted (the beams' KV and score buffers grow linearly with it).
 MAX_BEAM_WIDTH = 4096
 

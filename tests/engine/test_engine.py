@@ -565,7 +565,7 @@ def test_a_batch_whose_graphs_were_dropped_after_its_check_captures_alone(model_
         def __init__(self):
             self.lock, self.shapes, self.x_checks = threading.RLock(), {1}, 0
 
-        def plan(self, lens, beam_width, top_k, together, filtered=False):
+        def plan(self, lens, beam_width, top_k, together, filtered=False, embedded=False):
             return len(lens)
 
         def needs_capture(self, plan, lens):
@@ -576,7 +576,7 @@ def test_a_batch_whose_graphs_were_dropped_after_its_check_captures_alone(model_
                 y_dropped.wait(5)  # Y's pool growth happens right after this check
             return missing
 
-    def launch(spec, prompts, beam_width, top_k, graphs, plan, allowed):
+    def launch(spec, prompts, beam_width, top_k, graphs, plan, masks, spans=None):
         with graphs.lock:
             if threading.current_thread().name == "Y":
                 graphs.shapes = set()  # the pool grew: every graph dropped

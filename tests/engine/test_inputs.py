@@ -113,3 +113,35 @@ def test_an_encoder_batch_is_staged_without_positions():
     assert staged.tokens.tolist() == [1] * 10
     with pytest.raises(ValueError, match="no positions"):
         _ = staged.positions
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("positions", [True, False])
+def test_given_embeddings_travel_in_the_same_buffer_packed_and_staged(dtype, positions):
+    """The spans' rows and each token's source row come in the batch's one buffer; a graph's
+    view is the staging buffer's fixed-capacity one, the packed one sized to the batch."""
+    hidden = 6  # 12 or 24 bytes a row: rows that do not fill whole int64 slots
+    gen = torch.Generator().manual_seed(0)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
+    spans = [
+        [(1, torch.randn(2, hidden, generator=gen).to(dtype))],
+        [],
+        [(0, torch.randn(2, hidden, generator=gen).to(dtype))],
+    ]
+    want_source = [-1, 0, 1, -1, -1, -1, -1, 2, 3]
+    want_values = torch.cat([spans[0][0][1], spans[2][0][1]])
+    packed = prepare_inputs(prompts, torch.device("cpu"), spans, hidden, dtype)
+    assert packed.embeds.source.tolist() == want_source
+    assert torch.equal(packed.embeds.values, want_values)
+    assert packed.tokens.tolist() == [t for p in prompts for t in p]
+    staging = InputStaging(4, 64, torch.device("cpu"), embed_tokens=32, hidden=hidden, dtype=dtype)
+    shape = PrefillShape(4, 32, 32, reads_positions=positions, embeds=True)
+    staged = staging.stage(prompts, shape, spans)
+    graph_view = staging.embeds(32)
+    assert graph_view.values.shape == (32, hidden)
+    assert graph_view.source.tolist() == want_source + [-1] * (32 - 9)
+    assert torch.equal(graph_view.values[:4], want_values)
+    assert staged.embeds.source.data_ptr() == graph_view.source.data_ptr()
+    assert staged.tokens.tolist() == [t for p in prompts for t in p]
+    with pytest.raises(ValueError, match="above this staging buffer's 32"):
+        staging.stage(prompts, PrefillShape(4, 48, 48, reads_positions=positions, embeds=True), spans)

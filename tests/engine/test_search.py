@@ -128,9 +128,9 @@ def test_decoder_only_level_one_in_the_prefill_gives_the_results_step_by_step(
     code_rows = []
     forward = type(engine.model).forward
 
-    def counted(model, ids, positions, meta):
+    def counted(model, ids, positions, meta, embeds=None):
         code_rows.append(getattr(meta, "num_code_rows", None))
-        return forward(model, ids, positions, meta)
+        return forward(model, ids, positions, meta, embeds)
 
     monkeypatch.setattr(type(engine.model), "forward", counted)
     gen = torch.Generator().manual_seed(num_levels)

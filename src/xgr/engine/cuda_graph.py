@@ -27,6 +27,7 @@ before the next batch's replays.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Sequence
@@ -41,6 +42,7 @@ from xgr.engine.search import Searched, search_levels
 from xgr.engine.spec import DecodeSpec
 from xgr.kv import BeamKV, SharedKV
 from xgr.runner import LevelBatch, ModelRunner, PrefillBatch, Prefilled, PrefillShape
+from xgr.runner.shapes import next_power_of_two
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +82,9 @@ class CudaGraphs:
         self._prompt_kv = PromptKVPool(runner.model)
         self._staging: InputStaging | None = None
         self._code_kv: BeamKV | None = None
+        # The largest padded prefill with given embeddings planned so far (a power of two):
+        # the staging buffer holds room for its rows.
+        self._embed_tokens = 0
 
     def plan(
         self,
@@ -89,6 +94,7 @@ class CudaGraphs:
         together: bool,
         log: bool = True,
         filtered: bool = False,
+        embedded: bool = False,
     ) -> GraphPlan:
         """Which graphs a batch of prompts of these lengths (tokens) replays; with ``log``,
         a line says why a part runs eagerly (none for prefills the model never graphs, such
@@ -98,6 +104,8 @@ class CudaGraphs:
             together: level 1's forward runs in the pass before it for this batch
                 (``ModelRunner.first_levels_together``).
             filtered: some request of the batch has item rules (``DecodeGraphKey.filtered``).
+            embedded: some prompt of the batch has given input embeddings
+                (``PrefillShape.embeds``).
         """
         num = len(prompt_lens)
         if num > self.max_requests:
@@ -122,6 +130,9 @@ class CudaGraphs:
                     max(prompt_lens),
                 )
             return GraphPlan(None, decode)
+        if embedded:
+            shape = dataclasses.replace(shape, embeds=True)
+            self._embed_tokens = max(self._embed_tokens, next_power_of_two(shape.padded_tokens))
         return GraphPlan(shape, decode)
 
     def needs_capture(self, plan: GraphPlan, prompt_lens: list[int]) -> bool:
@@ -137,17 +148,22 @@ class CudaGraphs:
             return True
         return plan.decode not in self.cache
 
-    def stage(self, prompts: Sequence[Sequence[int]], shape: PrefillShape) -> BatchInputs:
-        """A batch's inputs written where its prefill graph reads them (``InputStaging``),
-        in one copy on the current stream."""
-        return self._staging_buffer().stage(prompts, shape)
+    def stage(
+        self, prompts: Sequence[Sequence[int]], shape: PrefillShape, spans=None
+    ) -> BatchInputs:
+        """A batch's inputs (and its prompts' given embeddings, ``spans``) written where
+        its prefill graph reads them (``InputStaging``), in one copy on the current stream."""
+        return self._staging_buffer().stage(prompts, shape, spans)
 
     def _staging_stale(self) -> bool:
         """Whether the staging buffer was made for other ``max_requests`` /
-        ``max_prefill_tokens`` than the current ones."""
+        ``max_prefill_tokens`` than the current ones, or without room for the given
+        embeddings planned."""
         staging = self._staging
-        limits = (self.max_requests, self.max_prefill_tokens)
-        return staging is not None and (staging.max_requests, staging.max_tokens) != limits
+        limits = (self.max_requests, self.max_prefill_tokens, self._embed_tokens)
+        if staging is None:
+            return False
+        return (staging.max_requests, staging.max_tokens, staging.embed_tokens) != limits
 
     def _staging_buffer(self) -> InputStaging:
         """The staging buffer, made at first use (or again, dropping every graph, after
@@ -158,8 +174,11 @@ class CudaGraphs:
             self.cache.clear()  # the graphs read the old buffer
             self._staging = None
         if self._staging is None:
-            device = self.model.lm_head.weight.device
-            self._staging = InputStaging(self.max_requests, self.max_prefill_tokens, device)
+            weight = self.model.lm_head.weight
+            self._staging = InputStaging(
+                self.max_requests, self.max_prefill_tokens, weight.device, self._embed_tokens,
+                self.runner.hidden_size, weight.dtype,
+            )  # fmt: skip
         return self._staging
 
     @property
@@ -251,6 +270,7 @@ class CudaGraphs:
             prompt_offsets_host=inputs.cu_seqlens_host,
             slot_tokens=shape.slot_tokens,
             code_kv=code_kv,
+            embeds=staging.embeds(padded) if shape.embeds else None,
         )  # fmt: skip
         return (batch.tokens,), lambda: self.runner.prefill(batch)
 

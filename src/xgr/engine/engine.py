@@ -14,6 +14,7 @@ import torch
 from xgr.catalog import ItemCatalog, TitleIndex
 from xgr.catalog.rules import CatalogMasks, request_rules
 from xgr.core import (
+    Prompt,
     PromptTooLongError,
     RecommendResult,
     SearchParams,
@@ -31,6 +32,7 @@ from xgr.engine.prompt import (
     refuse_unencodable_text,
     refuse_unknown_pieces,
 )
+from xgr.engine.prompt_embeds import checked_spans, prompt_parts
 from xgr.engine.results import PendingRecommendation, search_params
 from xgr.engine.spec import DecodeSpec
 from xgr.engine.warm_up import capture_lanes
@@ -43,7 +45,8 @@ from xgr.models.sid_vocab import (
 logger = logging.getLogger(__name__)
 
 
-Prompt = Sequence[int] | str
+# What recommend takes as a prompt: token ids, text, or an ``xgr.Prompt`` with embeddings.
+PromptLike = Sequence[int] | str | Prompt
 
 
 class Engine:
@@ -215,19 +218,38 @@ class Engine:
         limit = self.max_prompt_tokens if truncate else None
         return self.prompt_format.build(history, self.catalog, self._sid_token_ids_host, limit)
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
+    def tokenize(self, prompt: Sequence[int] | str) -> list[int]:
         """A prompt as token ids, validated. Raises XgrError for an unusable prompt."""
         return self.token_ids(prompt).tolist()
 
-    def token_ids(self, prompt: Prompt) -> np.ndarray:
+    def prompt_input(self, prompt: PromptLike) -> tuple[np.ndarray, list]:
+        """A prompt's token ids (``token_ids``) and its given input embeddings: checked
+        (offset, (n, hidden_size) model-dtype CPU tensor) spans, sorted by offset; none for
+        a list of ids or a string.
+
+        Raises:
+            XgrError: an unusable prompt or span (naming it; ``xgr.Prompt``).
+        """
+        if not isinstance(prompt, Prompt):
+            return self.token_ids(prompt), []
+        ids, spans = prompt_parts(prompt)
+        tokens = self.token_ids(ids)
+        dtype = self.model.lm_head.weight.dtype
+        return tokens, checked_spans(spans, tokens.size, self.runner.hidden_size, dtype)
+
+    def token_ids(self, prompt: PromptLike) -> np.ndarray:
         """``tokenize`` as a new (tokens,) int64 NumPy array, the form the batch packing
         copies to the device. Callers that validate a prompt before queueing it (the server)
         keep this array: checking an array is many times cheaper than a list, whose
-        element-by-element conversion would cost host time on every request.
+        element-by-element conversion would cost host time on every request. For an
+        ``xgr.Prompt`` its token ids (placeholders where its embeddings go), its spans
+        checked too (``prompt_input``).
 
         Raises:
             XgrError: an unusable prompt (``PromptTooLongError`` above the model's limit).
         """
+        if isinstance(prompt, Prompt):
+            return self.prompt_input(prompt)[0]
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise XgrError("string prompts need a tokenizer in the model folder")
@@ -251,7 +273,7 @@ class Engine:
 
     def recommend(
         self,
-        prompts: Sequence[Prompt],
+        prompts: Sequence[PromptLike],
         beam_width: int = 64,
         top_k: int = 64,
         num_results: int | Sequence[int] = 10,
@@ -295,7 +317,7 @@ class Engine:
 
     def recommend_async(
         self,
-        prompts: Sequence[Prompt],
+        prompts: Sequence[PromptLike],
         beam_width: int = 64,
         top_k: int = 64,
         num_results: int | Sequence[int] = 10,
@@ -314,7 +336,9 @@ class Engine:
         if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence):
             raise XgrError("prompts must be a list of prompts")
         search, params = search_params(len(prompts), beam_width, top_k, num_results)
-        tokenized = [self.token_ids(p) for p in prompts]
+        parts = [self.prompt_input(p) for p in prompts]
+        tokenized = [tokens for tokens, _ in parts]
+        spans = [s for _, s in parts] if any(s for _, s in parts) else None
         rules = request_rules(
             self.catalog, len(prompts), allow_item_ids, exclude_item_ids, item_filter
         )
@@ -323,7 +347,7 @@ class Engine:
             return PendingRecommendation(None, None, [], [], [], self.catalog, self.titles, dtype)
         hold = self._lanes.take()
         try:
-            pending = self._launch(hold.lane, tokenized, search, rules)
+            pending = self._launch(hold.lane, tokenized, search, rules, spans)
         except BaseException:
             hold.release()
             raise
@@ -335,7 +359,14 @@ class Engine:
             pending, hold, tokenized, params, rules, self.catalog, self.titles, dtype
         )
 
-    def _launch(self, lane: Lane, tokenized: list[np.ndarray], search: SearchParams, rules: list):
+    def _launch(
+        self,
+        lane: Lane,
+        tokenized: list[np.ndarray],
+        search: SearchParams,
+        rules: list,
+        spans: list | None = None,
+    ):
         """Queue a batch on a lane (``Lanes.run``), its graphs planned once and its trie
         masks built on the lane's stream while its prefill runs."""
         graphs, width, top_k = lane.graphs, search.beam_width, search.top_k
@@ -345,12 +376,13 @@ class Engine:
         else:
             lens = [len(t) for t in tokenized]
             together = self.runner.first_levels_together(len(tokenized), width)
-            plan = graphs.plan(lens, width, top_k, together, filtered=filtered)
+            embedded = spans is not None
+            plan = graphs.plan(lens, width, top_k, together, filtered=filtered, embedded=embedded)
 
         def launch():
             masks = functools.partial(self.catalog_masks.masks, rules) if filtered else None
             spec = self.decode_spec
-            return launch_semantic_ids(spec, tokenized, width, top_k, graphs, plan, masks)
+            return launch_semantic_ids(spec, tokenized, width, top_k, graphs, plan, masks, spans)
 
         return self._lanes.run(lane, launch, lambda: graphs.needs_capture(plan, lens))
 

@@ -28,7 +28,7 @@ import torch
 
 from xgr.engine.cuda_graph import CudaGraphs
 from xgr.engine.graph_keys import EAGER, GraphPlan
-from xgr.engine.inputs import BatchInputs, prepare_inputs
+from xgr.engine.inputs import BatchInputs, Spans, prepare_inputs
 from xgr.engine.search import search_levels
 from xgr.engine.spec import DecodeSpec
 from xgr.kv import SharedKV
@@ -174,6 +174,7 @@ def launch_semantic_ids(
     graphs: CudaGraphs | None = None,
     plan: GraphPlan | None = None,
     build_masks: Callable[[], tuple[torch.Tensor, ...]] | None = None,
+    spans: Sequence[Spans] | None = None,
 ) -> PendingGeneration:
     """``generate_semantic_ids`` without waiting: on CUDA the batch's work, ending with the
     copy of its results into pinned host memory, is queued on the current stream and this
@@ -187,21 +188,25 @@ def launch_semantic_ids(
         build_masks: where some request has item rules, makes the batch's trie masks
             (``xgr.catalog.rules.CatalogMasks.masks``); called once the prefill is queued, so
             that its host work overlaps the prefill's device work. None: every valid path.
+        spans: each prompt's given input embeddings (``xgr.engine.inputs.Spans``, checked),
+            or None where no prompt has any.
         Others: as ``generate_semantic_ids``.
     """
     if graphs is None:
-        return _launch(spec, prompts, beam_width, top_k, None, EAGER, build_masks)
+        return _launch(spec, prompts, beam_width, top_k, None, EAGER, build_masks, spans)
     with graphs.lock:  # one launch at a time into the graphs' buffers
         if plan is None:
             together = spec.runner.first_levels_together(len(prompts), beam_width)
             lens = [len(p) for p in prompts]
-            filtered = build_masks is not None
-            plan = graphs.plan(lens, beam_width, top_k, together, filtered=filtered)
-        return _launch(spec, prompts, beam_width, top_k, graphs, plan, build_masks)
+            filtered, embedded = build_masks is not None, spans is not None
+            plan = graphs.plan(
+                lens, beam_width, top_k, together, filtered=filtered, embedded=embedded
+            )
+        return _launch(spec, prompts, beam_width, top_k, graphs, plan, build_masks, spans)
 
 
 def _launch(
-    spec, prompts, beam_width, top_k, graphs, plan: GraphPlan, build_masks
+    spec, prompts, beam_width, top_k, graphs, plan: GraphPlan, build_masks, spans=None
 ) -> PendingGeneration:
     runner = spec.runner
     device = spec.scorer.sid_token_ids.device
@@ -215,10 +220,11 @@ def _launch(
     together = runner.first_levels_together(len(prompts), beam_width)
     graphed = plan.decode is not None
     if plan.prefill is not None:  # the inputs go straight to where the graph reads them
-        inputs = graphs.stage(prompts, plan.prefill)
+        inputs = graphs.stage(prompts, plan.prefill, spans)
         prefilled = graphs.replay_prefill(inputs)
     else:
-        inputs = prepare_inputs(prompts, device)
+        weight = runner.model.lm_head.weight
+        inputs = prepare_inputs(prompts, device, spans, runner.hidden_size, weight.dtype)
         shared = graphs.shared_kv(inputs) if graphed else allocate_shared_kv(runner.model, inputs)
         code_kv = None
         if together:  # a graphed search reads the graphs' own level-1 K/V

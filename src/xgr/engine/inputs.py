@@ -20,11 +20,39 @@ import numpy as np
 import torch
 
 from xgr.kv import BeamKV, SharedKV
+from xgr.models.embeds import PromptEmbeds
 from xgr.runner import PrefillBatch, PrefillShape
 from xgr.runner.shapes import padding_segments
 
 # Token id of a padded prefill's filler tokens (their results are never read).
 PREFILL_PAD_TOKEN = 0
+
+# One prompt's given input embeddings: (offset, (n, hidden) model-dtype CPU tensor) spans,
+# checked (``xgr.engine.prompt_embeds``).
+Spans = Sequence[tuple[int, torch.Tensor]]
+
+
+def _int64_slots_of_rows(rows: int, row_bytes: int) -> int:
+    """int64 elements holding ``rows`` embedding rows of ``row_bytes`` bytes."""
+    return -(-rows * row_bytes // 8)
+
+
+def _write_embeds(
+    source: np.ndarray, values: torch.Tensor, spans: Sequence[Spans], offsets: Sequence[int]
+) -> None:
+    """Each span's rows into ``values`` (S, hidden) one after another, and their rows'
+    indices into ``source`` at the spans' packed positions (``source`` already -1)."""
+    row = 0
+    for prompt_spans, start in zip(spans, offsets, strict=False):
+        for offset, rows in prompt_spans or ():
+            n = rows.shape[0]
+            values[row : row + n].copy_(rows)
+            source[start + offset : start + offset + n] = np.arange(row, row + n)
+            row += n
+
+
+def _embed_rows(spans: Sequence[Spans] | None) -> int:
+    return sum(r.shape[0] for prompt in spans or () for _, r in prompt or ())
 
 
 class BatchInputs:
@@ -42,6 +70,8 @@ class BatchInputs:
         max_seqlen: the longest prompt (tokens).
         prefill_key: the shape of the CUDA graph the batch's prefill replays when the
             inputs were staged for it; None for packed inputs.
+        embeds: the batch's given input embeddings (``PromptEmbeds``: views of the same
+            buffer); None when its prompts have none.
     """
 
     def __init__(
@@ -51,14 +81,18 @@ class BatchInputs:
         cu_seqlens_host: list[int],
         max_seqlen: int,
         prefill_key: PrefillShape | None = None,
+        embed_rows: tuple[int, int, torch.dtype] | None = None,
     ):
         """``buffer``: the device int64 buffer; ``layout``: each attribute's [start, stop)
-        in it (``cu_seqlens_int32``'s in int64 elements, holding R + 1 int32 values)."""
+        in it (``cu_seqlens_int32``'s in int64 elements, holding R + 1 int32 values;
+        ``embed_values``' holding the rows' bytes); ``embed_rows``: (rows, hidden, dtype)
+        of ``embed_values`` where the batch has given embeddings."""
         self._buffer = buffer
         self._layout = layout
         self.cu_seqlens_host = cu_seqlens_host
         self.max_seqlen = max_seqlen
         self.prefill_key = prefill_key
+        self._embed_rows = embed_rows
 
     @property
     def num_requests(self) -> int:
@@ -108,14 +142,30 @@ class BatchInputs:
     def cu_seqlens_int32(self) -> torch.Tensor:
         return self._view("cu_seqlens_int32").view(torch.int32)[: self.num_requests + 1]
 
+    @functools.cached_property
+    def embeds(self) -> PromptEmbeds | None:
+        if self._embed_rows is None:
+            return None
+        rows, hidden, dtype = self._embed_rows
+        return PromptEmbeds(
+            self._view("embed_source"),
+            embed_values(self._view("embed_values"), rows, hidden, dtype),
+        )
+
     def prefill_batch(self, shared: SharedKV, code_kv: BeamKV | None = None) -> PrefillBatch:
         """These packed inputs as an eager prefill's ``PrefillBatch`` writing ``shared``
         (``code_kv``: where level 1's rows write, when they run in the prefill)."""
         return PrefillBatch(
             self.tokens, self.positions, shared, self.cu_seqlens_host, self.cu_seqlens_int32,
             self.max_seqlen, None, self.last_index, self.prompt_lens, self.cu_seqlens,
-            self.cu_seqlens_host, code_kv=code_kv,
+            self.cu_seqlens_host, code_kv=code_kv, embeds=self.embeds,
         )  # fmt: skip
+
+
+def embed_values(region: torch.Tensor, rows: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    """(rows, hidden) ``dtype`` view of an int64 region's bytes."""
+    size = rows * hidden * torch.empty((), dtype=dtype).element_size()
+    return region.view(torch.uint8)[:size].view(dtype).view(rows, hidden)
 
 
 def _int32_slots(n: int) -> int:
@@ -123,11 +173,17 @@ def _int32_slots(n: int) -> int:
     return (n + 1) // 2
 
 
-def _packed_layout(total: int, num: int) -> dict[str, tuple[int, int]]:
-    """``prepare_inputs``' layout for ``total`` tokens of ``num`` prompts. Plain ints: a
-    NumPy call per value costs more host time than the values (a few us each)."""
-    ends = itertools.accumulate([total, total, num, num, num + 1, _int32_slots(num + 1)])
-    names = ("tokens", "positions", "last_index", "prompt_lens", "cu_seqlens", "cu_seqlens_int32")
+def _packed_layout(total: int, num: int, embed_slots: int = -1) -> dict[str, tuple[int, int]]:
+    """``prepare_inputs``' layout for ``total`` tokens of ``num`` prompts (and, with
+    ``embed_slots`` >= 0, ``total`` embedding sources and that many int64 of their rows).
+    Plain ints: a NumPy call per value costs more host time than the values (a few us
+    each)."""
+    sizes = [total, total, num, num, num + 1, _int32_slots(num + 1)]
+    names = ["tokens", "positions", "last_index", "prompt_lens", "cu_seqlens", "cu_seqlens_int32"]
+    if embed_slots >= 0:
+        sizes += [total, embed_slots]
+        names += ["embed_source", "embed_values"]
+    ends = itertools.accumulate(sizes)
     layout, start = {}, 0
     for name, stop in zip(names, ends, strict=True):
         layout[name] = (start, stop)
@@ -156,20 +212,33 @@ def _write_positions(host: np.ndarray, lens: list[int], offsets: np.ndarray) -> 
         host -= np.repeat(offsets[:-1], lens)
 
 
-def prepare_inputs(prompts: Sequence[Sequence[int]], device: torch.device) -> BatchInputs:
+def prepare_inputs(
+    prompts: Sequence[Sequence[int]],
+    device: torch.device,
+    spans: Sequence[Spans] | None = None,
+    hidden: int = 0,
+    dtype: torch.dtype | None = None,
+) -> BatchInputs:
     """Pack R non-empty token sequences (lists, or int64 arrays, which are not converted
     again) and copy them to ``device`` in one (async) transfer; for eager runs (the CUDA
     graphs read ``InputStaging``'s layout).
 
+    Args:
+        spans: each prompt's given input embeddings (``Spans``, checked); None: none.
+        hidden, dtype: the embeddings' width and dtype (the model's), with ``spans``.
+
     Returns:
-        The batch's packed inputs; on CUDA the copy is from pinned memory and does not block.
+        The batch's packed inputs (with their ``embeds`` where ``spans`` has rows); on CUDA
+        the copy is from pinned memory and does not block.
     """
     num = len(prompts)
     lens, cu = _offsets(prompts)
-    layout = _packed_layout(cu[-1], num)
+    rows = _embed_rows(spans)
+    row_bytes = hidden * torch.empty((), dtype=dtype).element_size() if rows else 0
+    layout = _packed_layout(cu[-1], num, _int64_slots_of_rows(rows, row_bytes) if rows else -1)
     # On CUDA the buffer is pinned from the start (no staging copy), so the transfer below
     # is queued without waiting; the caching host allocator keeps it until the copy is done.
-    packed = torch.empty(layout["cu_seqlens_int32"][1], dtype=torch.int64,
+    packed = torch.empty(max(stop for _, stop in layout.values()), dtype=torch.int64,
                          pin_memory=device.type == "cuda")  # fmt: skip
     host = packed.numpy()
     offsets = np.array(cu, dtype=np.int64)
@@ -183,7 +252,15 @@ def prepare_inputs(prompts: Sequence[Sequence[int]], device: torch.device) -> Ba
     part("prompt_lens")[:] = lens
     part("cu_seqlens")[:] = offsets
     part("cu_seqlens_int32").view(np.int32)[: num + 1] = offsets
-    return BatchInputs(packed.to(device, non_blocking=True), layout, cu, max(lens))
+    embed_rows = None
+    if rows:
+        part("embed_source")[:] = -1
+        values = embed_values(packed[slice(*layout["embed_values"])], rows, hidden, dtype)
+        _write_embeds(part("embed_source"), values, spans, cu)
+        embed_rows = (rows, hidden, dtype)
+    return BatchInputs(
+        packed.to(device, non_blocking=True), layout, cu, max(lens), None, embed_rows
+    )
 
 
 class InputStaging:
@@ -201,7 +278,11 @@ class InputStaging:
       (``padding_segments``), then P;
     - ``tokens``: P tokens (the prompts packed from the start, then ``PREFILL_PAD_TOKEN``);
     - ``positions``: P positions (decoder-only models), right after the P tokens; 0 for
-      the padding.
+      the padding;
+    - with given input embeddings (``PrefillShape.embeds``): ``embed_source``, P int64 rows
+      (-1: the token's own embedding), after the positions, then ``embed_values``, room for
+      P rows of the model's embeddings (the batch's spans packed from the first), for P up
+      to ``embed_tokens``.
 
     Every graph reads its static inputs as views of this buffer at fixed addresses (those of
     a P-token prefill overlap those of another P: replays never overlap, see
@@ -212,10 +293,22 @@ class InputStaging:
         max_requests: M.
         max_tokens: the largest P.
         device: the CUDA device.
+        embed_tokens: the largest P of a graph with given embeddings; 0 for none.
+        hidden, dtype: the embeddings' width and dtype (the model's), with ``embed_tokens``.
     """
 
-    def __init__(self, max_requests: int, max_tokens: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        max_requests: int,
+        max_tokens: int,
+        device: torch.device,
+        embed_tokens: int = 0,
+        hidden: int = 0,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         self.max_requests, self.max_tokens = max_requests, max_tokens
+        self.embed_tokens, self.hidden, self.dtype = embed_tokens, hidden, dtype
+        self.row_bytes = hidden * torch.empty((), dtype=dtype).element_size() if embed_tokens else 0
         sizes = {
             "cu_seqlens": max_requests + 1,
             "prompt_lens": max_requests,
@@ -228,30 +321,51 @@ class InputStaging:
             self._header[name] = start
             start += -(-size // 2) * 2  # 16-byte aligned regions
         self.tokens_start = -(-start // 64) * 64
+        embeds = 3 * embed_tokens + _int64_slots_of_rows(embed_tokens, self.row_bytes)
         # Zeros: valid token ids and positions wherever a batch leaves the buffer unwritten.
         self.buffer = torch.zeros(
-            self.tokens_start + 2 * max_tokens, dtype=torch.int64, device=device
+            self.tokens_start + max(2 * max_tokens, embeds), dtype=torch.int64, device=device
         )
 
     def region(self, name: str, size: int, padded: int = 0) -> torch.Tensor:
-        """The first ``size`` elements of a region (``padded``: P, to place ``positions``)."""
+        """The first ``size`` elements of a region (``padded``: P, to place the regions
+        after the tokens)."""
         if name == "tokens":
             start = self.tokens_start
         elif name == "positions":
             start = self.tokens_start + padded
+        elif name == "embed_source":
+            start = self.tokens_start + 2 * padded
+        elif name == "embed_values":
+            start = self.tokens_start + 3 * padded
         else:
             start = self._header[name]
         view = self.buffer[start : start + size]
         return view.view(torch.int32)[: size * 2] if name == "cu_seqlens_int32" else view
 
+    def embeds(self, padded: int) -> PromptEmbeds:
+        """The given embeddings a graph of P = ``padded`` tokens reads: P sources, room for
+        P rows."""
+        values = self.region("embed_values", _int64_slots_of_rows(padded, self.row_bytes), padded)
+        return PromptEmbeds(
+            self.region("embed_source", padded, padded),
+            embed_values(values, padded, self.hidden, self.dtype),
+        )
+
     def cu_seqlens_int32(self, entries: int) -> torch.Tensor:
         """The first ``entries`` int32 offsets of the packed prefill."""
         return self.region("cu_seqlens_int32", _int32_slots(entries))[:entries]
 
-    def stage(self, prompts: Sequence[Sequence[int]], shape: PrefillShape) -> BatchInputs:
+    def stage(
+        self,
+        prompts: Sequence[Sequence[int]],
+        shape: PrefillShape,
+        spans: Sequence[Spans] | None = None,
+    ) -> BatchInputs:
         """Write R non-empty prompts (lists or int64 arrays) for a prefill graph of this
         shape (``shape.slots`` request slots, ``shape.padded_tokens`` tokens, positions if
-        ``shape.reads_positions``), in one async copy from pinned memory.
+        ``shape.reads_positions``, the prompts' given embeddings ``spans`` if
+        ``shape.embeds``), in one async copy from pinned memory.
 
         Returns:
             The batch's inputs as views of this buffer, valid until the next ``stage`` (an
@@ -259,8 +373,9 @@ class InputStaging:
 
         Raises:
             ValueError: no prompts or an empty one, more prompts than ``slots``, ``slots``
-                above M, more tokens than ``padded``, ``padded`` above ``max_tokens``, or
-                (``positions``) no more padding than absent prompts.
+                above M, more tokens than ``padded``, ``padded`` above ``max_tokens``,
+                (``positions``) no more padding than absent prompts, or (``shape.embeds``)
+                ``padded`` above ``embed_tokens``.
         """
         slots, padded, positions = shape.slots, shape.padded_tokens, shape.reads_positions
         num = len(prompts)
@@ -281,10 +396,18 @@ class InputStaging:
                 f"{num} prompts of {total} tokens do not fit a staged graph of {slots} slots "
                 f"and {padded} tokens (at most {self.max_requests} and {self.max_tokens}{note})"
             )
+        if shape.embeds and padded > self.embed_tokens:
+            raise ValueError(
+                f"a graph of {padded} tokens with given embeddings is above this staging "
+                f"buffer's {self.embed_tokens}"
+            )
         start = self.tokens_start
+        rows = _embed_rows(spans) if shape.embeds else 0
         # A decoder-only graph reads all P tokens and positions: every one is written (an
         # unwritten position could be a stale token id, past the rotary table).
         stop = start + (2 * padded if positions else total)
+        if shape.embeds:
+            stop = start + 3 * padded + _int64_slots_of_rows(rows, self.row_bytes)
         staged = torch.empty(stop, dtype=torch.int64, pin_memory=self.buffer.is_cuda)
         host = staged.numpy()
         host[:start] = 0
@@ -306,7 +429,14 @@ class InputStaging:
         if positions:
             host[start + total : start + padded] = PREFILL_PAD_TOKEN
             _write_positions(host[start + padded :][:total], lens, offsets)
-            host[start + padded + total :] = 0
+            host[start + padded + total : start + 2 * padded] = 0
+        if shape.embeds:
+            if not positions:
+                host[start + total : start + 2 * padded] = 0
+            source = host[start + 2 * padded : start + 3 * padded]
+            source[:] = -1
+            values = embed_values(staged[start + 3 * padded :], rows, self.hidden, self.dtype)
+            _write_embeds(source, values, spans or (), cu)
         self.buffer[:stop].copy_(staged, non_blocking=True)
         layout = {
             "tokens": (start, start + total),
@@ -320,4 +450,10 @@ class InputStaging:
         }
         if positions:
             layout["positions"] = (start + padded, start + padded + total)
-        return BatchInputs(self.buffer, layout, cu, max(lens), shape)
+        embed_rows = None
+        if shape.embeds:
+            layout["embed_source"] = (start + 2 * padded, start + 3 * padded)
+            slots_of_values = _int64_slots_of_rows(padded, self.row_bytes)
+            layout["embed_values"] = (start + 3 * padded, start + 3 * padded + slots_of_values)
+            embed_rows = (padded, self.hidden, self.dtype)
+        return BatchInputs(self.buffer, layout, cu, max(lens), shape, embed_rows)

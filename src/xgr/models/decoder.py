@@ -14,6 +14,7 @@ from xgr.layers.mlp import GatedMLP
 from xgr.layers.norm import RMSNorm
 from xgr.layers.rotary import rope_cos_sin
 from xgr.models.config import DecoderConfig
+from xgr.models.embeds import PromptEmbeds
 
 
 class DecoderLayer(nn.Module):
@@ -87,6 +88,7 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: PrefillMetadata | DecodeMetadata,
+        embeds: PromptEmbeds | None = None,
     ) -> torch.Tensor:
         """Run the layers over a packed set of tokens.
 
@@ -95,6 +97,7 @@ class CausalLM(nn.Module):
                 prefill's ``meta.first_codes`` rows last).
             positions: (T,) int64 position of each token in its sequence.
             meta: prefill (writes the shared KV) or decode (writes the beams' KV) metadata.
+            embeds: a prefill's given input embeddings (``PromptEmbeds``); None: tokens only.
 
         Returns:
             (T, hidden_size) final hidden states in the model dtype; (R + C, hidden_size),
@@ -102,6 +105,8 @@ class CausalLM(nn.Module):
             prefill's metadata sets them.
         """
         x = self.model.embed_tokens(input_ids)
+        if embeds is not None:
+            x = embeds.splice(x)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         delta = None
         rows = meta.output_rows if isinstance(meta, PrefillMetadata) else None

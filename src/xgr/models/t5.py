@@ -34,6 +34,7 @@ from xgr.layers.relative_position import (
     square_position_bias,
 )
 from xgr.models.config import T5Config
+from xgr.models.embeds import PromptEmbeds
 from xgr.models.t5_blocks import EncDecDecodeMetadata, T5Stack, residual_stack
 from xgr.models.t5_small_rows import decode_small_rows, small_rows_kernels
 
@@ -119,7 +120,11 @@ class T5Seq2SeqLM(nn.Module):
         )  # fmt: skip
 
     def encode(
-        self, input_ids: torch.Tensor, cu_seqlens: list[int], cross_kv: SharedKV
+        self,
+        input_ids: torch.Tensor,
+        cu_seqlens: list[int],
+        cross_kv: SharedKV,
+        embeds: PromptEmbeds | None = None,
     ) -> torch.Tensor:
         """Run the encoder over packed prompts and fill every decoder layer's cross K/V.
 
@@ -127,19 +132,26 @@ class T5Seq2SeqLM(nn.Module):
             input_ids: (T,) int64 tokens of all prompts, packed in request order.
             cu_seqlens: R + 1 host ints, prompt offsets.
             cross_kv: receives, per decoder layer, k/v of the encoder output at tokens [0, T).
+            embeds: given input embeddings of some packed tokens; None: tokens only.
 
         Returns:
             (T, d_model) encoder output (after the final layer norm), model dtype.
         """
         biases = self._encoder_biases(cu_seqlens)
-        encoded = self._run_encoder(
-            self.shared(input_ids), lambda attn, h: attn.bidirectional(h, cu_seqlens, biases)
-        )
+        x = self.shared(input_ids)
+        if embeds is not None:
+            x = embeds.splice(x)
+        encoded = self._run_encoder(x, lambda attn, h: attn.bidirectional(h, cu_seqlens, biases))
         self._write_cross_kv(encoded, cross_kv)
         return encoded
 
     def encode_padded(
-        self, tokens: torch.Tensor, lengths: torch.Tensor, padded_len: int, cross_kv: SharedKV
+        self,
+        tokens: torch.Tensor,
+        lengths: torch.Tensor,
+        padded_len: int,
+        cross_kv: SharedKV,
+        embeds: PromptEmbeds | None = None,
     ) -> torch.Tensor:
         """``encode`` for a CUDA graph: S prompts padded to one length P, with every shape
         fixed by (S, P) and the prompts' lengths read from the device.
@@ -156,6 +168,8 @@ class T5Seq2SeqLM(nn.Module):
             padded_len: P (host int).
             cross_kv: receives, per decoder layer, k/v at packed tokens [0, S * P); those
                 from ``lengths.sum()`` on are padding, never read by the decoder.
+            embeds: given input embeddings of some packed tokens (``source`` over the
+                S * P packed positions); None: tokens only.
 
         Returns:
             (S * P, d_model) encoder output in packed order; rows from ``lengths.sum()``
@@ -171,7 +185,10 @@ class T5Seq2SeqLM(nn.Module):
         starts = torch.cumsum(lengths, 0) - lengths
         # Padding slots repeat their prompt's last token: a valid id; masked as keys.
         gather = starts[:, None] + torch.minimum(pos[None, :], lengths[:, None] - 1)
-        x = self.shared(tokens[gather.reshape(-1)])
+        if embeds is None:
+            x = self.shared(tokens[gather.reshape(-1)])
+        else:  # spliced in packed order, then laid out in the slots
+            x = embeds.splice(self.shared(tokens))[gather.reshape(-1)]
         max_distance = self.config.relative_attention_max_distance
         bias = self._position_bias(
             ("encoder", padded_len),

@@ -9,6 +9,7 @@ from typing import Protocol
 import torch
 
 from xgr.kv import BeamKV, SharedKV
+from xgr.models.embeds import PromptEmbeds
 from xgr.runner.shapes import PrefillShape
 
 
@@ -37,6 +38,8 @@ class PrefillBatch:
         slot_tokens: an encoder graph pads each prompt to this many tokens; 0 packed.
         code_kv: the one-slot K/V that level 1's rows write when they run in this pass
             (``ModelRunner.allocate_code_kv``); None where level 1 runs after level 0.
+        embeds: the input embeddings given for some of ``tokens`` (``PromptEmbeds``); None
+            where every position takes its token's.
     """
 
     tokens: torch.Tensor
@@ -52,6 +55,7 @@ class PrefillBatch:
     prompt_offsets_host: list[int]
     slot_tokens: int = 0
     code_kv: BeamKV | None = None
+    embeds: PromptEmbeds | None = None
 
 
 @dataclass(frozen=True)
@@ -165,6 +169,11 @@ class FamilyRunner:
         self.together_allowed = first_levels_together
 
     @property
+    def hidden_size(self) -> int:
+        """Width of the model's input embeddings (a prompt's given ones must match)."""
+        return self.model.lm_head.weight.shape[1]
+
+    @property
     def num_first_codes(self) -> int:
         """V0: the catalog's first-level codes (0 without ``first_code_tokens``)."""
         return 0 if self.first_code_tokens is None else self.first_code_tokens.shape[0]
@@ -196,6 +205,10 @@ class ModelRunner(Protocol):
     @property
     def max_prompt_tokens(self) -> int:
         """Longest prompt the model takes (tokens)."""
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of the model's input embeddings."""
 
     def first_levels_together(self, num_requests: int, beam_width: int) -> bool:
         """Whether level 1's forward runs in the pass before it for such a batch."""

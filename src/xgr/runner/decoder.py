@@ -71,7 +71,7 @@ class DecoderRunner(FamilyRunner):
             batch.max_seqlen, packed=batch.packed, output_rows=batch.last_index,
             first_codes=first_codes,
         )  # fmt: skip
-        hidden = self.model(tokens, positions, meta)
+        hidden = self.model(tokens, positions, meta, batch.embeds)
         last = batch.last_index.shape[0]
         if batch.code_kv is None:
             return Prefilled(hidden)

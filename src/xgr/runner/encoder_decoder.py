@@ -54,9 +54,11 @@ class EncoderDecoderRunner(FamilyRunner):
         into ``batch.shared``: packed, or (a graph) each prompt padded to its slot."""
         model = self.model
         if batch.slot_tokens:
-            model.encode_padded(batch.tokens, batch.prompt_lens, batch.slot_tokens, batch.shared)
+            model.encode_padded(
+                batch.tokens, batch.prompt_lens, batch.slot_tokens, batch.shared, batch.embeds
+            )
         else:
-            model.encode(batch.tokens, batch.prompt_offsets_host, batch.shared)
+            model.encode(batch.tokens, batch.prompt_offsets_host, batch.shared, batch.embeds)
         return Prefilled()
 
     def first_step(

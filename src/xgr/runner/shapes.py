@@ -27,6 +27,8 @@ class PrefillShape:
             first-level code of the catalog); 0 where level 1 runs after level 0.
         workspace_bytes: the largest buffer the graph's attention builds beyond the KV
             (an encoder's SDPA mask), bytes; 0 for none.
+        embeds: the graph splices given input embeddings over some tokens' (a batch with
+            ``xgr.Prompt`` spans); any number of them, up to every token.
     """
 
     slots: int
@@ -36,6 +38,7 @@ class PrefillShape:
     reads_positions: bool = True
     code_rows: int = 0
     workspace_bytes: int = 0
+    embeds: bool = False
 
 
 def prefill_bucket(num_tokens: int) -> int:

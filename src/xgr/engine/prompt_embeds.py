@@ -1,0 +1,113 @@
+"""The checks of an ``xgr.Prompt``'s given input embeddings, and their conversion to the
+model's dtype (``Engine.prompt_input``)."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from xgr.core import Prompt, XgrError
+
+# dtypes a span may come in (NumPy has no bfloat16; torch tensors may be any of these).
+SPAN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def prompt_parts(prompt: Prompt) -> tuple[Any, list[tuple[Any, Any]]]:
+    """A ``Prompt``'s token ids (placeholders for a prompt of embeddings only) and its
+    (offset, values) spans, unchecked but for their form.
+
+    Raises:
+        XgrError: ``embeds`` neither a list of (offset, values) pairs nor, without token
+            ids, one array.
+    """
+    embeds = prompt.embeds
+    if prompt.token_ids is None:
+        if _is_array(embeds):
+            values = _as_tensor(embeds, "the prompt's embeds")
+            if values.dim() != 2 or not values.shape[0]:
+                raise XgrError(
+                    f"a prompt of embeddings only takes an (n, hidden_size) array with n >= 1, "
+                    f"got shape {tuple(values.shape)}"
+                )
+            return np.zeros(values.shape[0], dtype=np.int64), [(0, values)]
+        raise XgrError(
+            "a Prompt without token_ids takes one (n, hidden_size) array as embeds, got "
+            f"{type(embeds).__name__}"
+        )
+    if _is_array(embeds) or not isinstance(embeds, Sequence) or isinstance(embeds, str):
+        raise XgrError(
+            "Prompt.embeds with token_ids must be a list of (offset, values) spans, got "
+            f"{type(embeds).__name__}"
+        )
+    spans = []
+    for i, span in enumerate(embeds):
+        if not isinstance(span, Sequence) or isinstance(span, str) or len(span) != 2:
+            raise XgrError(f"embedding span {i} must be an (offset, values) pair")
+        spans.append((span[0], span[1]))
+    return prompt.token_ids, spans
+
+
+def checked_spans(
+    spans: list[tuple[Any, Any]], num_tokens: int, hidden: int, dtype: torch.dtype
+) -> list[tuple[int, torch.Tensor]]:
+    """The spans of a prompt of ``num_tokens`` tokens as (offset, (n, hidden) ``dtype``
+    contiguous CPU tensor), sorted by offset.
+
+    Raises:
+        XgrError: naming the span: an offset that is not an int in range, values that are
+            not a 2-D float32 / bfloat16 / float16 array of ``hidden`` columns and at least
+            one row, rows past the prompt's end, NaN or infinite values, or two spans that
+            overlap.
+    """
+    out = []
+    for i, (offset, values) in enumerate(spans):
+        name = f"embedding span {i} (offset {offset!r})"
+        if isinstance(offset, bool) or not isinstance(offset, numbers.Integral):
+            raise XgrError(f"{name}: the offset must be an int")
+        offset = int(offset)
+        if not _is_array(values):
+            raise XgrError(f"{name}: values must be a NumPy array or a torch tensor")
+        rows = _as_tensor(values, name)
+        if rows.dim() != 2 or rows.shape[1] != hidden or not rows.shape[0]:
+            raise XgrError(
+                f"{name}: values must be (n, {hidden}) with n >= 1 (the model's hidden "
+                f"size), got shape {tuple(rows.shape)}"
+            )
+        if not 0 <= offset or offset + rows.shape[0] > num_tokens:
+            raise XgrError(
+                f"{name}: rows {offset}..{offset + rows.shape[0] - 1} are outside the "
+                f"prompt's {num_tokens} positions"
+            )
+        if not bool(torch.isfinite(rows).all()):
+            raise XgrError(f"{name}: values hold NaN or infinite entries")
+        converted = rows.to(dtype)
+        if not bool(torch.isfinite(converted).all()):
+            raise XgrError(f"{name}: values overflow the model's dtype {dtype}")
+        out.append((offset, converted.contiguous(), i))
+    out.sort(key=lambda span: span[0])
+    for (a, rows_a, i), (b, _, j) in zip(out, out[1:], strict=False):
+        if a + rows_a.shape[0] > b:
+            first, second = sorted((i, j))
+            raise XgrError(f"embedding spans {first} and {second} overlap (offsets {a} and {b})")
+    return [(offset, rows) for offset, rows, _ in out]
+
+
+def _is_array(value: Any) -> bool:
+    return isinstance(value, np.ndarray | torch.Tensor)
+
+
+def _as_tensor(values: Any, name: str) -> torch.Tensor:
+    """A CPU tensor of the values, in their own dtype (refusing others)."""
+    if isinstance(values, np.ndarray):
+        if values.dtype not in (np.float32, np.float16):
+            raise XgrError(
+                f"{name}: values must be float32, bfloat16 or float16, got NumPy {values.dtype}"
+            )
+        values = torch.from_numpy(np.ascontiguousarray(values))
+    elif values.dtype not in SPAN_DTYPES:
+        raise XgrError(f"{name}: values must be float32, bfloat16 or float16, got {values.dtype}")
+    return values.detach().to("cpu")
