@@ -37,7 +37,7 @@ def prompts_for(embedding: torch.nn.Embedding, seed: int, vocab_base: int):
     whole = rows(9)
     plain = torch.randint(0, vocab_base, (14,), generator=gen).tolist()
     with torch.no_grad():
-        mixed = embedding(torch.tensor(ids)).clone()
+        mixed = embedding(torch.tensor(ids, device=embedding.weight.device)).float().cpu()
     for offset, values in spans:
         values = torch.as_tensor(values)
         mixed[offset : offset + values.shape[0]] = values
