@@ -92,7 +92,7 @@ class Client:
             "request_id": request_id,
             "exclude_items": _plain_ids(exclude_items),
             "allow_items": _plain_ids(allow_items),
-            "filter": item_filter,
+            "filter": _plain_json(item_filter),
             "return_level_scores": return_level_scores or None,
         }
         # numpy scalars (ids or sizes read from arrays) are not JSON: plain Python values.
@@ -172,6 +172,16 @@ class Client:
         if not isinstance(data, dict):
             raise ServerError(200, f"{self._http.base_url} answered {path} with no JSON object")
         return data
+
+
+def _plain_json(value):
+    """``value`` with NumPy scalars (in dicts, lists and tuples) as the Python values they
+    hold, so that it encodes as JSON."""
+    if isinstance(value, dict):
+        return {k: _plain_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain_json(v) for v in value]
+    return value.item() if hasattr(value, "item") and not isinstance(value, str) else value
 
 
 def _plain_ids(ids: Sequence[str | int] | None) -> list | None:

@@ -253,6 +253,14 @@ def test_non_finite_model_output_is_an_error_not_a_result(model_dirs):
         engine.recommend(random_prompts([4]), beam_width=4, num_results=2)
     with pytest.raises(ModelOutputError, match="float32\\); check the weights for NaN"):
         engine.recommend(random_prompts([4]), beam_width=4, num_results=2)
+    # Rules that leave items do not hide it; rules that leave none give an empty result.
+    items = engine.catalog.item_ids
+    with pytest.raises(ModelOutputError, match="no finite log-probability"):
+        engine.recommend(random_prompts([4]), 4, 4, 2, exclude_item_ids=[items[:3]])
+    with pytest.raises(ModelOutputError, match="no finite log-probability"):
+        engine.recommend(random_prompts([4]), 4, 4, 2, allow_item_ids=[items[5:6]])
+    (nothing,) = engine.recommend(random_prompts([4]), 4, 4, 2, allow_item_ids=[["absent"]])
+    assert nothing.items == [] and not nothing.complete
 
 
 @pytest.mark.parametrize(

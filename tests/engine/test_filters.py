@@ -166,7 +166,7 @@ def test_rule_arguments_are_checked(model_dirs, tmp_path):
         engine.recommend(PROMPTS[:1], allow_item_ids=["item1"])
 
 
-def test_an_empty_filter_keeps_every_item_and_huge_integers_are_refused(model_dirs, tmp_path):
+def test_an_empty_filter_keeps_every_item_and_huge_numbers_compare_as_numbers(model_dirs, tmp_path):
     catalog = catalog_with_collisions()
     write_attributes(catalog, tmp_path / "attributes.csv")
     catalog.load_attributes(tmp_path / "attributes.csv")
@@ -174,9 +174,24 @@ def test_an_empty_filter_keeps_every_item_and_huge_integers_are_refused(model_di
     (plain,) = engine.recommend(PROMPTS[:1], **SEARCH)
     (empty,) = engine.recommend(PROMPTS[:1], **SEARCH, item_filter=[{}])
     assert_equal_results(empty, plain)
-    for spec in ({"stock": 2**70}, {"stock": {"lt": -(2**64)}}, {"stock": {"in": [1, 2**63]}}):
-        with pytest.raises(XgrError, match="outside the 64-bit integer range"):
+    # An integer column's equality with a value it cannot hold is refused by name.
+    for spec in ({"stock": 2**70}, {"stock": {"in": [1, 2**63]}}):
+        with pytest.raises(XgrError, match=r"'stock' is a 64-bit integer: \d+ is outside"):
             engine.recommend(PROMPTS[:1], item_filter=[spec])
+    with pytest.raises(XgrError, match="beyond the float64 range"):
+        engine.recommend(PROMPTS[:1], item_filter=[{"price": {"lt": 10**400}}])
+    # Bounds beyond either column's range pass every item with a value, or none.
+    has_value = {"stock": {"ge": 0}}
+    (with_value,) = engine.recommend(PROMPTS[:1], **SEARCH, item_filter=[has_value])
+    for spec in (
+        {"stock": {"lt": 2**70}}, {"stock": {"ge": -(2**64)}}, {"stock": {"lt": 1e308}},
+        {"stock": {"lt": 1e20, "ge": -1e308}}, {"price": {"lt": 10**20}},
+    ):  # fmt: skip
+        (got,) = engine.recommend(PROMPTS[:1], **SEARCH, item_filter=[spec])
+        assert_equal_results(got, with_value)
+    for spec in ({"stock": {"gt": 2**70}}, {"stock": {"le": -(2**64)}}, {"price": 10**19}):
+        (none,) = engine.recommend(PROMPTS[:1], **SEARCH, item_filter=[spec])
+        assert none.items == [] and not none.complete
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -144,4 +144,6 @@ def test_given_embeddings_travel_in_the_same_buffer_packed_and_staged(dtype, pos
     assert staged.embeds.source.data_ptr() == graph_view.source.data_ptr()
     assert staged.tokens.tolist() == [t for p in prompts for t in p]
     with pytest.raises(ValueError, match="above this staging buffer's 32"):
-        staging.stage(prompts, PrefillShape(4, 48, 48, reads_positions=positions, embeds=True), spans)
+        staging.stage(
+            prompts, PrefillShape(4, 48, 48, reads_positions=positions, embeds=True), spans
+        )

@@ -98,9 +98,13 @@ def test_numpy_item_ids_are_sent_as_numbers():
         base_url="http://stub.invalid", transport=httpx.MockTransport(answer)
     )
     with client, pytest.raises(ServerError, match="stop"):
-        client.recommend(np.array([3, 4]), beam_width=np.int64(8), num_results=np.int32(2))
+        client.recommend(
+            np.array([3, 4]), beam_width=np.int64(8), num_results=np.int32(2),
+            item_filter={"price": {"lt": np.int64(30)}, "tag": {"in": (np.str_("a"), "b")}},
+        )  # fmt: skip
     assert bodies[0]["history"] == [3, 4]
     assert (bodies[0]["beam_width"], bodies[0]["num_results"]) == (8, 2)
+    assert bodies[0]["filter"] == {"price": {"lt": 30}, "tag": {"in": ["a", "b"]}}
 
 
 @pytest.mark.parametrize("timeout", [-1, 0, float("nan"), float("inf"), "5", True])

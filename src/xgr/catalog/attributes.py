@@ -171,7 +171,8 @@ def _jsonl_rows(text: str, path: Path):
             obj = json.loads(entry)
         except ValueError as exc:
             raise XgrError(f"item attributes {path}, line {line}: {exc}") from exc
-        if not isinstance(obj, dict) or not isinstance(obj.get("item_id"), str | int):
+        item = obj.get("item_id") if isinstance(obj, dict) else None
+        if isinstance(item, bool) or not isinstance(item, str | int):
             raise XgrError(f"item attributes {path}, line {line}: an object with an item_id")
         item_id = str(obj.pop("item_id"))
         for name, value in obj.items():
@@ -377,7 +378,11 @@ def _condition(name: str, kind: str, op: str, operand: Any, attributes) -> Condi
                 op, operand = "le", math.floor(operand)
             else:
                 op, operand = "ge", math.ceil(operand)
-        values = (_in_range(name, operand),)
+        if kind == "int":
+            op, operand = _int64_bound(op, operand)
+        else:
+            operand = _as_float(name, operand)
+        values = (operand,)
     else:
         values = (_encode(name, kind, operand, attributes),)
     return Condition(name, op, values)
@@ -402,15 +407,41 @@ def _encode(name: str, kind: str, value: Any, attributes: ItemAttributes) -> Any
         raise XgrError(f"attribute {name!r} is a number ({kind}): got {value!r}")
     if isinstance(value, float) and not math.isfinite(value):
         raise XgrError(f"attribute {name!r}: {value!r} is not a finite number")
-    if kind == "int" and isinstance(value, float):
+    if kind == "float":
+        return _as_float(name, value)
+    if isinstance(value, float):
         if not value.is_integer():
             raise XgrError(f"attribute {name!r} is an integer: got {value!r}")
         value = int(value)
-    return _in_range(name, value)
-
-
-def _in_range(name: str, value: int | float) -> int | float:
-    """A number the columns' 64-bit types hold."""
-    if isinstance(value, int) and not -(2**63) <= value < 2**63:
-        raise XgrError(f"attribute {name!r}: {value} is outside the 64-bit integer range")
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise XgrError(
+            f"attribute {name!r} is a 64-bit integer: {_short(value)} is outside its range"
+        )
     return value
+
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _int64_bound(op: str, bound: int) -> tuple[str, int]:
+    """An integer bound beyond the 64-bit range as the in-range one that passes the same
+    items (every int64 value is below a larger bound and above a smaller one)."""
+    if bound > INT64_MAX:
+        return ("le", INT64_MAX) if op in ("lt", "le") else ("gt", INT64_MAX)
+    if bound < INT64_MIN:
+        return ("lt", INT64_MIN) if op in ("lt", "le") else ("ge", INT64_MIN)
+    return op, bound
+
+
+def _as_float(name: str, value: int | float) -> float:
+    """A number as a float64 operand (an integer too large for one is refused)."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise XgrError(f"attribute {name!r}: {_short(value)} is beyond the float64 range") from None
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    """``repr(value)`` cut to ``limit`` characters (a 4,000-digit number is not echoed)."""
+    text = repr(value) if not isinstance(value, int) or value.bit_length() < 4000 else "a huge int"
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."

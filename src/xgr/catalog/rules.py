@@ -56,6 +56,13 @@ class ItemRules:
             keep &= self.filter.passes(catalog.attributes, rows)
         return keep
 
+    def any_passes(self, catalog: ItemCatalog) -> bool:
+        """Whether some item of the catalog passes (on the host, over every item: for the
+        rare request with no result, to tell a broken model from rules that leave nothing)."""
+        if not self.active:
+            return len(catalog) > 0
+        return bool(self.keep(catalog, np.arange(len(catalog), dtype=np.int64)).any())
+
 
 NO_RULES = ItemRules()
 

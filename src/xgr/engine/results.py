@@ -71,12 +71,12 @@ class PendingRecommendation:
         sid_index, scores = out.sid_index.numpy(), out.scores.numpy()
         level_scores = out.level_scores.numpy()
         # Every live beam has a valid continuation, so no finite score means NaN or -inf
-        # log-probabilities everywhere: a broken model or an overflowing dtype.
-        # A request whose rules leave no item has no finite score either: it gets no items.
+        # log-probabilities everywhere: a broken model or an overflowing dtype. A request
+        # whose rules leave no item has no finite score either: it gets no items.
         broken = [
             i
             for i in range(len(self._tokenized))
-            if not np.isfinite(scores[i, 0]) and not self._rules[i].active
+            if not np.isfinite(scores[i, 0]) and self._rules[i].any_passes(self._catalog)
         ]
         if broken:
             dtype = self._dtype

@@ -335,7 +335,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             raise XgrError("use_beam_search must be true: xgr decodes by beam search only")
         if body.logprobs:
             raise XgrError(
-                f"logprobs must be 0 or absent, got {body.logprobs}: each choice's own code "
+                "logprobs must be 0 or absent (got a positive value): each choice's own code "
                 "tokens' log-probabilities are given, not the top alternatives"
             )
         levels = engine.catalog.num_levels
