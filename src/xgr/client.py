@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import base64
 import math
 import re
 from collections.abc import Sequence
 from typing import Any
 
 import httpx
+import numpy as np
+import torch
 
 from xgr.catalog.history import history_entries
 from xgr.core import Recommendation, RecommendResult, XgrError
@@ -68,6 +71,7 @@ class Client:
         allow_items: Sequence[str | int] | None = None,
         item_filter: dict | None = None,
         return_level_scores: bool = False,
+        prompt_embeds: Sequence[tuple[int, Any]] | None = None,
     ) -> RecommendResult:
         """``POST /v1/recommend``; the same result type as ``Engine.recommend`` gives, except
         that ``semantic_ids`` lists only the IDs of the returned items (the answer does not
@@ -76,6 +80,8 @@ class Client:
         ``exclude_items``, ``allow_items`` and ``item_filter`` are the request's item rules
         (the body's ``exclude_items``, ``allow_items`` and ``filter``). With
         ``return_level_scores`` the items carry ``level_scores`` (else they are empty).
+        ``prompt_embeds``: (offset, (n, hidden_size) array) spans of input embeddings over
+        positions of the prompt the server builds from the history.
 
         Raises:
             ServerError: the server answered with an error (its message included), or could
@@ -94,6 +100,7 @@ class Client:
             "allow_items": _plain_ids(allow_items),
             "filter": _plain_json(item_filter),
             "return_level_scores": return_level_scores or None,
+            "prompt_embeds": _spans_json(prompt_embeds),
         }
         # numpy scalars (ids or sizes read from arrays) are not JSON: plain Python values.
         body = {k: v.item() if hasattr(v, "item") else v for k, v in body.items() if v is not None}
@@ -124,6 +131,72 @@ class Client:
                 decode_ms=timings["decode_ms"],
                 complete=bool(data.get("complete", True)),
             )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ServerError(
+                200, f"{self._http.base_url} did not answer as an xgr server ({exc!r})"
+            ) from exc
+
+    def complete(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        n: int = 1,
+        beam_width: int | None = None,
+        prompt_embeds: Sequence[tuple[int, Any]] | Any | None = None,
+    ) -> RecommendResult:
+        """``POST /v1/completions`` for one prompt: its ``n`` best semantic IDs with their
+        scores (``semantic_ids``) and their items (``items``, in that order).
+
+        Args:
+            prompt: text with semantic-ID tokens, or token ids; None for a prompt made only
+                of embeddings.
+            prompt_embeds: (offset, (n, hidden_size) array) spans of input embeddings over
+                the prompt's positions; without a prompt, one (n, hidden_size) array.
+
+        Raises:
+            ServerError: the server's error (its message included), or no server.
+        """
+        if (
+            prompt is None
+            and prompt_embeds is not None
+            and not isinstance(prompt_embeds, list | tuple)
+        ):
+            prompt_embeds = [(0, prompt_embeds)]
+        body = {
+            "prompt": prompt if prompt is None or isinstance(prompt, str) else _plain_ids(prompt),
+            "n": n,
+            "beam_width": beam_width,
+            "prompt_embeds": _spans_json(prompt_embeds),
+        }
+        data = self._post("/v1/completions", {k: v for k, v in body.items() if v is not None})
+        return self._choices_result(data, lambda c: c["text"])
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, str]],
+        n: int = 1,
+        beam_width: int | None = None,
+        top_k: int | None = None,
+    ) -> RecommendResult:
+        """``POST /v1/chat/completions``: the conversation through the model's chat template,
+        its ``n`` best semantic IDs and their items, as ``complete`` gives them.
+
+        Raises:
+            ServerError: the server's error (its message included), or no server.
+        """
+        body = {"messages": list(messages), "n": n, "beam_width": beam_width, "top_k": top_k}
+        data = self._post("/v1/chat/completions", {k: v for k, v in body.items() if v is not None})
+        return self._choices_result(data, lambda c: c["message"]["content"])
+
+    def _choices_result(self, data: dict, text_of) -> RecommendResult:
+        """A completion's choices as a ``RecommendResult``."""
+        try:
+            result = RecommendResult(prompt_tokens=int(data["usage"]["prompt_tokens"]))
+            for choice in data["choices"]:
+                codes = tuple(int(c) for c in _CODE.findall(text_of(choice)))
+                score = float(choice["score"])
+                result.semantic_ids.append((codes, score))
+                result.items.extend(Recommendation(i, score, codes) for i in choice["item_ids"])
+            return result
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ServerError(
                 200, f"{self._http.base_url} did not answer as an xgr server ({exc!r})"
@@ -174,6 +247,20 @@ class Client:
         return data
 
 
+def _spans_json(spans: Sequence[tuple[int, Any]] | None) -> list[dict] | None:
+    """prompt_embeds spans as the body's JSON objects (``encode_span``); None stays None."""
+    if spans is None:
+        return None
+    if isinstance(spans, str) or not isinstance(spans, Sequence):
+        raise XgrError("prompt_embeds must be a list of (offset, values) spans")
+    out = []
+    for span in spans:
+        if not isinstance(span, Sequence) or len(span) != 2:
+            raise XgrError("each prompt_embeds span must be an (offset, values) pair")
+        out.append(encode_span(*span))
+    return out
+
+
 def _plain_json(value):
     """``value`` with NumPy scalars (in dicts, lists and tuples) as the Python values they
     hold, so that it encodes as JSON."""
@@ -187,3 +274,39 @@ def _plain_json(value):
 def _plain_ids(ids: Sequence[str | int] | None) -> list | None:
     """Item ids as JSON values (NumPy scalars as Python ones); None stays None."""
     return None if ids is None else [i.item() if hasattr(i, "item") else i for i in ids]
+
+
+# Little-endian element type of each dtype name of a prompt_embeds span; bfloat16 travels as
+# its 16-bit pattern.
+WIRE_DTYPES = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2"}
+
+
+def encode_span(offset: int, values: Any) -> dict:
+    """The JSON form of one span (``xgr.Client``): an (n, d) float32, float16 or bfloat16
+    array (NumPy or torch) as its little-endian bytes in base64.
+
+    Raises:
+        XgrError: values that are not a 2-D array of one of those dtypes.
+    """
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu()
+        if values.dtype == torch.bfloat16:
+            name, array = "bfloat16", values.view(torch.int16).numpy().astype("<u2")
+        elif values.dtype in (torch.float32, torch.float16):
+            array = values.numpy()
+            name = "float32" if values.dtype == torch.float32 else "float16"
+        else:
+            raise XgrError(f"span values must be float32, float16 or bfloat16, got {values.dtype}")
+    elif isinstance(values, np.ndarray) and values.dtype in (np.float32, np.float16):
+        array, name = values, "float32" if values.dtype == np.float32 else "float16"
+    else:
+        raise XgrError("span values must be a float32, float16 or bfloat16 array")
+    if array.ndim != 2:
+        raise XgrError(f"span values must be (n, hidden_size), got shape {array.shape}")
+    data = np.ascontiguousarray(array, dtype=np.dtype(WIRE_DTYPES[name]))
+    return {
+        "offset": int(offset),
+        "shape": [int(n) for n in array.shape],
+        "dtype": name,
+        "data": base64.b64encode(data.tobytes()).decode("ascii"),
+    }

@@ -38,7 +38,11 @@ class ModelOutputError(XgrError):
     """The model produced no finite log-probability for a prompt (e.g. fp16 overflow)."""
 
 
-class PromptTooLongError(XgrError):
+class InputTooLargeError(XgrError):
+    """An input over a size limit (the server answers 413)."""
+
+
+class PromptTooLongError(InputTooLargeError):
     """A prompt longer than the model accepts (the server answers 413)."""
 
 
@@ -95,6 +99,10 @@ class Prompt:
 
     token_ids: Any = None
     embeds: Any = ()
+
+    def __len__(self) -> int:
+        """Positions of the prompt (its tokens, or its embeddings' rows)."""
+        return len(self.token_ids) if self.token_ids is not None else len(self.embeds)
 
 
 # Widest beam accepted (the beams' KV and score buffers grow linearly with it).

@@ -25,7 +25,7 @@ from xgr.engine.cuda_graph import CudaGraphs
 from xgr.engine.generate import launch_semantic_ids
 from xgr.engine.graph_keys import EAGER
 from xgr.engine.lanes import Lane, Lanes
-from xgr.engine.model_folder import load_engine
+from xgr.engine.model_folder import ChatTemplate, load_engine
 from xgr.engine.prompt import (
     PromptFormat,
     integer_tokens,
@@ -63,6 +63,8 @@ class Engine:
         name: model name reported by the server.
         prompt_format: how histories become prompts (default: the items' tokens alone).
         titles: item id -> title, copied into results (default: none).
+        chat_template: formats chat messages as a prompt (``chat_prompt``; the model
+            folder's, ``xgr.engine.model_folder.ChatTemplate``); None: no chat.
         full_vocab: score codes by their log-probability over the whole vocabulary (exact,
             as HF ``generate``); False normalizes over each level's codes only, which skips
             the full-vocabulary LM head (for models whose vocabulary is only the codes).
@@ -97,6 +99,7 @@ class Engine:
         name: str = "xgr-model",
         prompt_format: PromptFormat | None = None,
         titles: dict[str, str] | None = None,
+        chat_template: ChatTemplate | None = None,
         full_vocab: bool = True,
         cuda_graphs: bool = True,
         cuda_streams: int = 1,
@@ -118,6 +121,7 @@ class Engine:
         self.prompt_format = prompt_format or PromptFormat()
         self.titles = titles or {}
         self.title_index = TitleIndex(catalog, self.titles)
+        self.chat_template = chat_template
         self.device = model.lm_head.weight.device
         table = validate_sid_token_ids(sid_token_ids, catalog, model.config.vocab_size)
         self.sid_token_ids = torch.from_numpy(table).to(self.device)
@@ -221,6 +225,20 @@ class Engine:
     def tokenize(self, prompt: Sequence[int] | str) -> list[int]:
         """A prompt as token ids, validated. Raises XgrError for an unusable prompt."""
         return self.token_ids(prompt).tolist()
+
+    def chat_prompt(self, messages: list[dict]) -> str:
+        """A conversation (OpenAI-style ``{"role": ..., "content": ...}`` messages) as the
+        prompt text of the model folder's chat template, ready for the assistant's turn.
+
+        Raises:
+            XgrError: the folder has no chat template, or the template refuses the messages.
+        """
+        if self.chat_template is None:
+            raise XgrError(
+                "the model folder has no chat template (chat_template.jinja, or chat_template "
+                "in tokenizer_config.json)"
+            )
+        return self.chat_template.format(messages)
 
     def prompt_input(self, prompt: PromptLike) -> tuple[np.ndarray, list]:
         """A prompt's token ids (``token_ids``) and its given input embeddings: checked

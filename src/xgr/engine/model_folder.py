@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -140,4 +142,46 @@ def _load(model_dir, catalog, device, dtype, sid_token_ids) -> dict[str, Any]:
         "name": model_dir.name,
         "prompt_format": PromptFormat.from_model_dir(model_dir, tokenizer_vocab(model_dir)),
         "titles": load_titles(model_dir),
+        "chat_template": load_chat_template(model_dir),
     }
+
+
+def load_chat_template(model_dir: Path) -> ChatTemplate | None:
+    """The folder's chat template (``chat_template.jinja``, or ``chat_template`` in
+    ``tokenizer_config.json``), or None without one."""
+    config = model_dir / "tokenizer_config.json"
+    has = (model_dir / "chat_template.jinja").is_file()
+    if not has and config.is_file():
+        try:
+            has = bool(json.loads(config.read_text()).get("chat_template"))
+        except (OSError, ValueError, AttributeError):
+            has = False
+    return ChatTemplate(model_dir) if has else None
+
+
+class ChatTemplate:
+    """A model folder's chat template, applied by transformers' tokenizer of the folder
+    (loaded at the first conversation: a server that never gets one never pays for it)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model_dir = model_dir
+        self._lock = threading.Lock()
+        self._tokenizer = None
+
+    def format(self, messages: list[dict]) -> str:
+        """The conversation as the model's prompt text, ready for the assistant's turn.
+
+        Raises:
+            XgrError: the template fails on these messages (its message included).
+        """
+        with self._lock:
+            if self._tokenizer is None:
+                from transformers import PreTrainedTokenizerFast
+
+                self._tokenizer = PreTrainedTokenizerFast.from_pretrained(self.model_dir)
+        try:
+            return self._tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as exc:  # jinja2's TemplateError and the template's raise_exception
+            raise XgrError(f"the chat template refused the messages: {exc}") from exc

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from xgr.core import ModelOutputError, PromptTooLongError, RecommendResult, XgrError
+from xgr.core import InputTooLargeError, ModelOutputError, Prompt, RecommendResult, XgrError
 from xgr.scheduler.metrics import RequestTimes, ServingMetrics
 
 
@@ -42,7 +42,7 @@ def http_status(exc: XgrError) -> int:
     503 shutting down, 504 deadline; any other ``XgrError`` is bad input (400)."""
     table = (
         (ModelOutputError, 500),  # the model's numbers, not the request, are at fault
-        (PromptTooLongError, 413),
+        (InputTooLargeError, 413),  # a prompt or its embeddings over a limit
         (QueueFullError, 429),
         (ShuttingDownError, 503),
         (DeadlineExceededError, 504),
@@ -93,7 +93,8 @@ class QueuedRequest:
 
     Attributes:
         prompt: token ids, already validated by the engine: a list, or the (tokens,) int64
-            array of ``Engine.token_ids``, which the engine checks again in microseconds.
+            array of ``Engine.token_ids``, which the engine checks again in microseconds; or
+            an ``xgr.Prompt`` with given input embeddings.
         beam_width, top_k, num_results: search parameters, already validated.
         exclude: item ids never returned.
         allow: the only item ids that may be returned; None: every item.
@@ -107,7 +108,7 @@ class QueuedRequest:
             ``batch_policy.queue_orders``.
     """
 
-    prompt: list[int] | np.ndarray
+    prompt: list[int] | np.ndarray | Prompt
     beam_width: int
     top_k: int
     num_results: int

@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from xgr.catalog import resolve_history
 from xgr.catalog.attributes import compile_filter
-from xgr.core import SearchParams, XgrError
+from xgr.core import Prompt, SearchParams, XgrError
 from xgr.engine import Engine
 from xgr.scheduler import (
     QueuedRequest,
@@ -36,9 +36,12 @@ from xgr.scheduler import (
     ServingMetrics,
 )
 from xgr.server.admission import AdmissionGate, error_response
-from xgr.server.completions import completion_prompts, completion_response
+from xgr.server.completions import chat_response, completion_prompts, completion_response
 from xgr.server.config import BodySizeLimit, ServerConfig
+from xgr.server.embeds import decode_spans, embedded_prompt
 from xgr.server.schemas import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
@@ -271,10 +274,20 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         if body.filter is not None:  # a 400 naming the attribute, operator or value
             compile_filter(body.filter, engine.catalog.attributes)
 
+        if body.prompt_embeds is not None and body.truncate_history:
+            raise XgrError(
+                "prompt_embeds name positions of the prompt built from the whole history: "
+                "they cannot be combined with truncate_history"
+            )
+
         def prepare():  # CPU work on long histories: off the event loop
             history = resolve_history(engine.catalog, body.history, engine.title_index)
             items = history.item_ids
-            return history, engine.token_ids(engine.history_prompt(items, body.truncate_history))
+            prompt = engine.token_ids(engine.history_prompt(items, body.truncate_history))
+            if body.prompt_embeds is not None:
+                spans = decode_spans(body.prompt_embeds, engine.max_prompt_tokens)
+                prompt = checked_prompt(engine, embedded_prompt(prompt, spans))
+            return history, prompt
 
         history, prompt = await asyncio.to_thread(prepare)
         answer = await answer_unless_disconnected(
@@ -358,7 +371,17 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             )
         check_search(beam_width, beam_width, body.n)
 
-        def tokenize_all() -> list[np.ndarray]:
+        if body.prompt is None and body.prompt_embeds is None:
+            raise XgrError("a completion needs a prompt, prompt_embeds, or both")
+
+        def tokenize_all() -> list[np.ndarray | Prompt]:
+            if body.prompt_embeds is not None:
+                ids = None
+                if body.prompt is not None:
+                    (text_or_ids,) = _one_prompt(completion_prompts(body.prompt))
+                    ids = engine.token_ids(text_or_ids)
+                spans = decode_spans(body.prompt_embeds, engine.max_prompt_tokens)
+                return [checked_prompt(engine, embedded_prompt(ids, spans))]
             prompts = completion_prompts(body.prompt)
             tokenized = []
             for i, prompt in enumerate(prompts):
@@ -389,4 +412,58 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
         return Response(await asyncio.to_thread(respond), media_type="application/json")
 
+    @app.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        responses={**POST_ERRORS, 404: _error("Unknown model.")},
+    )
+    async def chat_completions(body: ChatCompletionRequest, http_request: Request) -> Any:
+        if body.model is not None and body.model != engine.name:
+            raise ModelNotFoundError(
+                f"model {body.model!r} is not served here; this server serves {engine.name!r}"
+            )
+        levels = engine.catalog.num_levels
+        if body.max_tokens is not None and body.max_tokens != levels:
+            raise XgrError(f"max_tokens must equal the number of semantic-ID levels ({levels})")
+        if body.beam_width is None and body.n > config.max_beam_width:
+            raise XgrError(
+                f"n ({body.n}) exceeds this server's limit {config.max_beam_width} (n results "
+                "need a beam at least as wide)"
+            )
+        beam_width = body.beam_width or max(body.n, config.default_beam_width)
+        if body.n > beam_width:
+            raise XgrError(f"n ({body.n}) must not exceed the beam width ({beam_width})")
+        top_k = body.top_k or beam_width
+        check_search(beam_width, top_k, body.n)
+        messages = [m.model_dump() for m in body.messages]
+        prompt = await asyncio.to_thread(lambda: engine.token_ids(engine.chat_prompt(messages)))
+        answers = await answer_unless_disconnected(
+            http_request, batcher.submit_all([QueuedRequest(prompt, beam_width, top_k, body.n)])
+        )
+        if answers is None:  # nobody is listening
+            return Response(status_code=499)
+        return chat_response(engine, answers[0].result, state["started"])
+
     return app
+
+
+def _one_prompt(prompts: list) -> list:
+    """The single prompt that prompt_embeds go with.
+
+    Raises:
+        XgrError: several prompts.
+    """
+    if len(prompts) != 1:
+        raise XgrError(f"prompt_embeds go with one prompt, got {len(prompts)}")
+    return prompts
+
+
+def checked_prompt(engine: Engine, prompt: Prompt) -> Prompt:
+    """The prompt with its token ids and spans checked and converted (the engine's
+    ``prompt_input``), so that the batch's launch finds them ready.
+
+    Raises:
+        XgrError: a bad prompt or span, named.
+    """
+    tokens, spans = engine.prompt_input(prompt)
+    return Prompt(token_ids=tokens, embeds=spans)

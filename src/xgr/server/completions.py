@@ -9,6 +9,9 @@ from typing import Any
 from xgr.core import RecommendResult, XgrError
 from xgr.server.schemas import (
     MAX_PROMPTS,
+    ChatChoice,
+    ChatChoiceMessage,
+    ChatCompletionResponse,
     CompletionChoice,
     CompletionResponse,
     Logprobs,
@@ -87,3 +90,31 @@ def code_logprobs(
     tokens = [f"<{name}_{code}>" for name, code in zip(catalog.level_names, codes, strict=True)]
     offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
     return Logprobs(tokens=tokens, token_logprobs=list(level_scores), text_offset=offsets)
+
+
+def chat_response(engine: Any, result: RecommendResult, created: int) -> ChatCompletionResponse:
+    """The chat completion of one conversation's results: a choice per semantic ID, its
+    tokens as the assistant message's content, with its items and score."""
+    catalog = engine.catalog
+    choices = [
+        ChatChoice(
+            index=rank,
+            message=ChatChoiceMessage(content=catalog.format_semantic_id(codes)),
+            item_ids=catalog.items_of_semantic_id(catalog.find_semantic_id(codes)),
+            score=score,
+            finish_reason="length",
+        )
+        for rank, (codes, score) in enumerate(result.semantic_ids)
+    ]
+    generated = catalog.num_levels * len(choices)
+    return ChatCompletionResponse(
+        id=f"chatcmpl-{uuid.uuid4().hex}",
+        created=created or int(time.time()),
+        model=engine.name,
+        choices=choices,
+        usage=Usage(
+            prompt_tokens=result.prompt_tokens,
+            completion_tokens=generated,
+            total_tokens=result.prompt_tokens + generated,
+        ),
+    )

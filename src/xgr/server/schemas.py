@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 
 from xgr.core import MAX_BEAM_WIDTH
 
@@ -14,6 +14,27 @@ MAX_HISTORY_ITEMS = 10_000
 # Items of one allow-list or exclusion list in a request.
 MAX_RULE_ITEMS = 100_000
 MAX_PROMPTS = 256
+
+
+class EmbedSpan(BaseModel):
+    """Input embeddings for ``shape[0]`` prompt positions from ``offset`` on: the
+    little-endian bytes of a row-major (n, d) array, base64."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    offset: int = Field(ge=0, description="First prompt position the rows replace.")
+    shape: list[StrictInt] = Field(
+        min_length=2, max_length=2, description="[n, d]: rows, and the model's hidden size."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"]
+    data: str = Field(description="base64 of the little-endian array bytes.")
+
+    @field_validator("shape")
+    @classmethod
+    def _positive(cls, shape: list[int]) -> list[int]:
+        if min(shape) < 1:
+            raise ValueError("shape needs at least one row and one column")
+        return shape
 
 
 class RecommendRequest(BaseModel):
@@ -52,6 +73,11 @@ class RecommendRequest(BaseModel):
     )
     return_level_scores: bool = Field(
         False, description="Give each item the log-probability of each level's code."
+    )
+    prompt_embeds: list[EmbedSpan] | None = Field(
+        None,
+        description="Input embeddings over positions of the prompt built from the history "
+        "(offsets count its tokens; not with truncate_history).",
     )
     deadline_ms: float | None = Field(
         None,
@@ -105,9 +131,15 @@ class CompletionRequest(BaseModel):
     # Strict: no silent coercion ("beam_width": true is not 1, [true] is not item "1").
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    prompt: Prompt = Field(
+    prompt: Prompt | None = Field(
+        None,
         description="Text with semantic-ID tokens, token ids, or a list of several prompts of "
-        "one kind (all texts or all token-id lists)."
+        "one kind (all texts or all token-id lists); may be left out with prompt_embeds.",
+    )
+    prompt_embeds: list[EmbedSpan] | None = Field(
+        None,
+        description="Input embeddings over positions of the one prompt (its token ids there "
+        "are placeholders); without a prompt, one span at offset 0 that is the whole prompt.",
     )
     model: str | None = Field(None, max_length=256)
     n: int = Field(1, ge=1, le=MAX_BEAM_WIDTH, description="Results per prompt.")
@@ -161,6 +193,59 @@ class CompletionResponse(BaseModel):
     created: int
     model: str
     choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    role: str = Field(max_length=64, description="system, user, assistant, ...")
+    content: str
+
+
+class ChatCompletionRequest(BaseModel):
+    """Body of ``POST /v1/chat/completions`` (the OpenAI shape; decoding is beam search over
+    the catalog, the messages formatted by the model folder's chat template)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
+    model: str | None = Field(None, max_length=256)
+    n: int = Field(1, ge=1, le=MAX_BEAM_WIDTH, description="Results.")
+    beam_width: int | None = Field(
+        None, ge=1, le=MAX_BEAM_WIDTH, description="Beams per step; default the server's."
+    )
+    top_k: int | None = Field(
+        None, ge=1, le=MAX_BEAM_WIDTH, description="Candidates per beam; default beam_width."
+    )
+    max_tokens: int | None = Field(
+        None, ge=1, le=64, description="Must equal the number of semantic-ID levels."
+    )
+    temperature: float | None = Field(
+        None, allow_inf_nan=False, ge=0, le=2, description="Ignored (beam search)."
+    )
+    user: str | None = Field(None, max_length=256)
+
+
+class ChatChoiceMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str = Field(description="The semantic-ID tokens, e.g. '<a_1><b_2><c_3>'.")
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatChoiceMessage
+    item_ids: list[str]
+    score: float
+    finish_reason: Literal["length"]
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
     usage: Usage
 
 
