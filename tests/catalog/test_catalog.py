@@ -282,8 +282,36 @@ def test_write_model_metadata(tmp_path):
         "num_levels": 3,
         "codebook_size": 8,
         "level_names": ["a", "b", "c"],
+        "items": dict(zip(catalog.item_ids, catalog.codes.tolist(), strict=True)),
     }
-    assert catalog.write_model_metadata(str(tmp_path)) == path
+    table = [[10 + i for i in range(8)], [20 + i for i in range(8)], [30 + i for i in range(8)]]
+    assert catalog.write_model_metadata(str(tmp_path), sid_token_ids=table) == path
+    assert json.loads(path.read_text())["sid_token_ids"] == table
+
+
+def test_compatibility_is_by_rule_new_and_removed_items_pass_moved_ones_are_named():
+    catalog = small_catalog()
+    meta = {
+        "num_levels": 3, "codebook_size": 8, "level_names": ["a", "b", "c"],
+        "items": dict(zip(catalog.item_ids, catalog.codes.tolist(), strict=True)),
+    }  # fmt: skip
+    catalog.check_compatible(meta)
+    codes = catalog.codes.tolist()
+    grown = ItemCatalog.from_codes([*catalog.item_ids[1:], "new1"], [*codes[1:], [7, 7, 7]], 8)
+    grown.check_compatible(meta)  # one removed, one added
+    moved = ItemCatalog.from_codes(
+        catalog.item_ids, [[c[0], c[1], (c[2] + 1) % 8] for c in codes], 8
+    )
+    with pytest.raises(XgrError, match=rf"other semantic IDs.*'{catalog.item_ids[0]}' \["):
+        moved.check_compatible(meta, "the model")
+    wider = ItemCatalog.from_codes(catalog.item_ids, codes, 16)
+    with pytest.raises(XgrError, match="codebook_size is 16, the model was trained with 8"):
+        wider.check_compatible(meta, "the model")
+    # A record without items (written before them) needs the very same catalog.
+    old = {"fingerprint": catalog.fingerprint}
+    catalog.check_compatible(old)
+    with pytest.raises(XgrError, match="fingerprint"):
+        grown.check_compatible(old)
 
 
 # --- errors ---------------------------------------------------------------------------------

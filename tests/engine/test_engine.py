@@ -208,15 +208,27 @@ def test_code_map_must_match_catalog(model_dirs):
         make_engine(model_dirs, catalog, bogus_option=1)
 
 
-def test_catalog_fingerprint_is_checked(tmp_path):
+def test_a_catalog_is_checked_against_the_one_the_model_was_trained_with(tmp_path):
     catalog = random_catalog(50, 3, 16, seed=10)
     write_random_model(tmp_path, "qwen2")
-    catalog.write_model_metadata(tmp_path)
     sid_map = sequential_sid_map(3, 16, OFFSET)
+    catalog.write_model_metadata(tmp_path, sid_token_ids=sid_map)
     Engine.from_pretrained(tmp_path, catalog, sid_token_ids=sid_map)
-    other = random_catalog(50, 3, 16, seed=11)
+    # New and removed items are fine; an item with other codes is named.
+    codes = catalog.codes.tolist()
+    grown = ItemCatalog.from_codes([*catalog.item_ids[5:], "new"], [*codes[5:], [1, 2, 3]], 16)
+    assert len(Engine.from_pretrained(tmp_path, grown, sid_token_ids=sid_map).catalog) == 46
+    requantized = random_catalog(50, 3, 16, seed=11)
+    with pytest.raises(XgrError, match="other semantic IDs than the model in .* was trained"):
+        Engine.from_pretrained(tmp_path, requantized, sid_token_ids=sid_map)
+    with pytest.raises(XgrError, match="code-to-token map differs"):
+        Engine.from_pretrained(tmp_path, catalog, sid_token_ids=sequential_sid_map(3, 16, 9))
+    # A record written before the items were kept: the same catalog only.
+    path = tmp_path / "xgr_catalog.json"
+    path.write_text(json.dumps({"fingerprint": catalog.fingerprint}))
+    Engine.from_pretrained(tmp_path, catalog, sid_token_ids=sid_map)
     with pytest.raises(XgrError, match="fingerprint"):
-        Engine.from_pretrained(tmp_path, other, sid_token_ids=sid_map)
+        Engine.from_pretrained(tmp_path, grown, sid_token_ids=sid_map)
 
 
 def test_catalog_and_code_map_found_in_the_folder(tmp_path):

@@ -291,8 +291,14 @@ class ItemCatalog:
             raise XgrError(f"semantic ID {text!r} is not in the catalog")
         return codes
 
-    def write_model_metadata(self, model_dir: str | Path) -> Path:
-        """Save the fingerprint beside a model trained on this catalog (``xgr_catalog.json``)."""
+    def write_model_metadata(self, model_dir: str | Path, sid_token_ids: Any = None) -> Path:
+        """Save, beside a model trained on this catalog, what later catalogs must agree with
+        (``xgr_catalog.json``): the levels, the codebook size, the code-to-token map (when
+        given) and each item's semantic ID (``check_compatible``), with the fingerprint.
+
+        Args:
+            sid_token_ids: (num_levels, codebook_size) vocabulary id of each code, or None.
+        """
         path = Path(model_dir) / CATALOG_METADATA_FILE
         meta = {
             "fingerprint": self.fingerprint,
@@ -302,8 +308,55 @@ class ItemCatalog:
             "codebook_size": self.codebook_size,
             "level_names": list(self.level_names),
         }
-        path.write_text(json.dumps(meta, indent=2) + "\n")
+        if sid_token_ids is not None:
+            meta["sid_token_ids"] = np.asarray(sid_token_ids, dtype=np.int64).tolist()
+        meta["items"] = dict(zip(self.item_ids, self.codes.tolist(), strict=True))
+        path.write_text(json.dumps(meta, indent=1) + "\n")
         return path
+
+    def check_compatible(self, meta: dict, source: str = "the model") -> None:
+        """Refuse this catalog for a model trained on the one ``meta`` describes
+        (``write_model_metadata``'s record) unless they agree: the same levels, codebook
+        size and level names, and no item of both with another semantic ID (new and
+        removed items are fine). A record without items (older folders) needs the same
+        fingerprint.
+
+        Raises:
+            XgrError: the first disagreement, naming up to five items that moved.
+        """
+        if "items" not in meta:
+            if meta.get("fingerprint") != self.fingerprint:
+                raise XgrError(
+                    f"catalog fingerprint {self.fingerprint} does not match "
+                    f"{meta.get('fingerprint')} saved with {source}: the model was trained on "
+                    "another catalog (a record written with the items would accept new and "
+                    "removed ones)"
+                )
+            return
+        for key, mine in (
+            ("num_levels", self.num_levels),
+            ("codebook_size", self.codebook_size),
+            ("level_names", list(self.level_names)),
+        ):
+            if key in meta and meta[key] != mine:
+                raise XgrError(
+                    f"the catalog's {key} is {mine!r}, {source} was trained with {meta[key]!r}"
+                )
+        trained = meta["items"]
+        if not isinstance(trained, dict):
+            raise XgrError(f"{source}'s record of items is not an object of item -> codes")
+        moved = []
+        for item, codes in zip(self.item_ids, self.codes.tolist(), strict=True):
+            old = trained.get(item)
+            if old is not None and old != codes:
+                moved.append(f"{item!r} {old} -> {codes}")
+                if len(moved) == 5:
+                    break
+        if moved:
+            raise XgrError(
+                f"items have other semantic IDs than {source} was trained with (the catalog was "
+                f"quantized again?): {'; '.join(moved)}"
+            )
 
     def to_index_json(self, path: str | Path) -> None:
         """Write the catalog in the index format ``from_index_json`` reads."""

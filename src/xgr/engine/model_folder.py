@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import SafetensorError
 
@@ -37,26 +38,42 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return parsed
 
 
-def check_catalog_fingerprint(model_dir: Path, catalog: ItemCatalog) -> None:
-    """Refuse a catalog whose fingerprint differs from the one saved beside the model.
+def check_catalog_compatible(model_dir: Path, catalog: ItemCatalog) -> dict | None:
+    """Refuse a catalog the model saved beside it was not trained for
+    (``ItemCatalog.check_compatible``); returns the saved record (None without one).
 
     Raises:
-        XgrError: the fingerprints differ. A folder with no saved fingerprint is accepted
-            (and logged), since plain HF checkpoints carry none.
+        XgrError: the catalog disagrees with the record, or the record is unreadable. A
+            folder with no record is accepted (and logged), since plain HF checkpoints
+            carry none.
     """
     path = model_dir / CATALOG_METADATA_FILE
     if not path.exists():
         logger.info("%s has no %s: catalog not checked", model_dir, CATALOG_METADATA_FILE)
-        return
+        return None
     try:
-        saved = read_json(path).get("fingerprint")
+        meta = read_json(path)
+        if not isinstance(meta, dict):
+            raise ValueError("not a JSON object")
     except (OSError, ValueError, AttributeError) as exc:
         raise XgrError(f"cannot read {path}: {exc!r}") from exc
-    if saved != catalog.fingerprint:
-        raise XgrError(
-            f"catalog fingerprint {catalog.fingerprint} does not match {saved} saved with the "
-            f"model in {path}: the model was trained on another catalog"
-        )
+    catalog.check_compatible(meta, f"the model in {path}")
+    return meta
+
+
+def check_code_map(meta: dict | None, sid_token_ids: Any, path: Path) -> None:
+    """Refuse a code-to-token map other than the one the model was trained with, where its
+    record holds one.
+
+    Raises:
+        XgrError: the maps differ.
+    """
+    if meta is None or "sid_token_ids" not in meta:
+        return
+    saved = np.asarray(meta["sid_token_ids"], dtype=np.int64)
+    given = np.asarray(sid_token_ids, dtype=np.int64)
+    if saved.shape != given.shape or not np.array_equal(saved, given):
+        raise XgrError(f"the code-to-token map differs from the one saved with the model in {path}")
 
 
 def load_titles(model_dir: Path) -> dict[str, str]:
@@ -130,10 +147,11 @@ def _load(model_dir, catalog, device, dtype, sid_token_ids) -> dict[str, Any]:
         if not path.exists():
             raise XgrError(f"no catalog given and {path} does not exist")
         catalog = ItemCatalog.from_index_json(path)
-    check_catalog_fingerprint(model_dir, catalog)
+    meta = check_catalog_compatible(model_dir, catalog)
     model = load_model(model_dir, device, dtype)
     if sid_token_ids is None:
         sid_token_ids = sid_token_ids_from_tokenizer(model_dir, catalog)
+    check_code_map(meta, sid_token_ids, model_dir / CATALOG_METADATA_FILE)
     return {
         "model": model,
         "catalog": catalog,
