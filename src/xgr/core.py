@@ -154,6 +154,7 @@ class RecommendResult:
         prompt_tokens: prompt length in tokens.
         prefill_ms: wall time (ms) of the batch's prefill this prompt ran in.
         decode_ms: wall time (ms) of the batch's decode steps.
+        catalog_version: the catalog version the search ran on (``Engine.update_catalog``).
         complete: False when the beam_width final beams held fewer than ``num_results``
             semantic IDs with an item passing the request's rules (fewer such semantic IDs
             exist, or a beam narrower than them found fewer): ``items`` then has fewer
@@ -167,6 +168,7 @@ class RecommendResult:
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
     complete: bool = True
+    catalog_version: int = 1
 
 
 class PendingResults(Protocol):

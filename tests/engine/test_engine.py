@@ -584,8 +584,12 @@ def test_a_batch_whose_graphs_were_dropped_after_its_check_captures_alone(model_
     class StandInGraphs:
         def __init__(self):
             self.lock, self.shapes, self.x_checks = threading.RLock(), {1}, 0
+            self.runner = engine.runner
 
-        def plan(self, lens, beam_width, top_k, together, filtered=False, embedded=False):
+        def use_runner(self, runner):
+            assert runner is self.runner  # one catalog version
+
+        def plan(self, lens, beam_width, top_k, together, log=True, filtered=False, embedded=False):
             return len(lens)
 
         def needs_capture(self, plan, lens):

@@ -393,6 +393,41 @@ def _plain(value: Any) -> Any:
     return value.item() if isinstance(value, np.generic) else value
 
 
+def encode_value(name: str, kind: str, value: Any, vocabulary: list[str]) -> Any:
+    """An item's new value of a column as stored: a string's code in ``vocabulary`` (a new
+    string appended), or the number or bool itself, type-checked.
+
+    Raises:
+        XgrError: a value of another type than the column's, a non-finite float, or an
+            integer outside 64 bits.
+    """
+    value = _plain(value)
+    if kind == "string":
+        if not isinstance(value, str):
+            raise XgrError(f"attribute {name!r} is a string: got {_short(value)}")
+        if value not in vocabulary:
+            vocabulary.append(value)
+        return vocabulary.index(value)
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise XgrError(f"attribute {name!r} is a boolean: got {_short(value)}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise XgrError(f"attribute {name!r} is a number ({kind}): got {_short(value)}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise XgrError(f"attribute {name!r}: {value!r} is not a finite number")
+    if kind == "float":
+        return _as_float(name, value)
+    if isinstance(value, float) and not value.is_integer():
+        raise XgrError(f"attribute {name!r} is an integer: got {value!r}")
+    value = int(value)
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise XgrError(
+            f"attribute {name!r} is a 64-bit integer: {_short(value)} is outside its range"
+        )
+    return value
+
+
 def _encode(name: str, kind: str, value: Any, attributes: ItemAttributes) -> Any:
     """One operand in the column's encoding, type-checked."""
     if kind == "string":

@@ -165,6 +165,16 @@ class ItemCatalog:
             raise XgrError(f"cannot read catalog index {path}: {exc}") from exc
         if not isinstance(raw, dict):
             raise XgrError(f"catalog index {path} must be a JSON object of item id -> code list")
+        return cls.from_index_dict(raw, codebook_size)
+
+    @classmethod
+    def from_index_dict(cls, raw: dict, codebook_size: int | None = None) -> ItemCatalog:
+        """The index format as a parsed object: item id -> list of code strings (or one
+        string of them, ``"<a_1><b_2>"``).
+
+        Raises:
+            XgrError: as ``from_index_json``.
+        """
         item_ids, rows, names = [], [], None
         for item_id, tokens in raw.items():
             if isinstance(tokens, str):
@@ -313,6 +323,15 @@ class ItemCatalog:
         meta["items"] = dict(zip(self.item_ids, self.codes.tolist(), strict=True))
         path.write_text(json.dumps(meta, indent=1) + "\n")
         return path
+
+    def model_record(self) -> dict:
+        """``write_model_metadata``'s record of this catalog, in memory (no code map)."""
+        return {
+            "num_levels": self.num_levels,
+            "codebook_size": self.codebook_size,
+            "level_names": list(self.level_names),
+            "items": dict(zip(self.item_ids, self.codes.tolist(), strict=True)),
+        }
 
     def check_compatible(self, meta: dict, source: str = "the model") -> None:
         """Refuse this catalog for a model trained on the one ``meta`` describes

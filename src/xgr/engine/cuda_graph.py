@@ -181,6 +181,19 @@ class CudaGraphs:
             )  # fmt: skip
         return self._staging
 
+    def use_runner(self, runner: ModelRunner) -> None:
+        """Run from now on with ``runner`` (a new catalog version's): the graphs captured
+        with another runner, and level 1's K/V buffer, are dropped once the device is done
+        with them (the next batches capture again). Callers hold ``lock``."""
+        if runner is self.runner:
+            return
+        weight = self.model.lm_head.weight
+        if weight.is_cuda:  # a launched batch may still replay the graphs
+            torch.cuda.synchronize(weight.device)
+        self.cache.clear()
+        self.runner = runner
+        self._code_kv = None
+
     @property
     def pool_tokens(self) -> int:
         return self._prompt_kv.tokens

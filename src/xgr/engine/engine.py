@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import torch
 
 from xgr.catalog import ItemCatalog, TitleIndex
 from xgr.catalog.rules import CatalogMasks, request_rules
+from xgr.catalog.updates import CatalogUpdate, apply_update
 from xgr.core import (
     Prompt,
     PromptTooLongError,
@@ -21,6 +23,7 @@ from xgr.core import (
     XgrError,
     positive_int,
 )
+from xgr.engine.catalog_version import CatalogVersion
 from xgr.engine.cuda_graph import CudaGraphs
 from xgr.engine.generate import launch_semantic_ids
 from xgr.engine.graph_keys import EAGER
@@ -44,6 +47,9 @@ from xgr.models.sid_vocab import (
 
 logger = logging.getLogger(__name__)
 
+# Earlier catalog versions kept for rollbacks (each holds its trie on the device).
+MAX_EARLIER_VERSIONS = 4
+
 
 # What recommend takes as a prompt: token ids, text, or an ``xgr.Prompt`` with embeddings.
 PromptLike = Sequence[int] | str | Prompt
@@ -65,6 +71,9 @@ class Engine:
         titles: item id -> title, copied into results (default: none).
         chat_template: formats chat messages as a prompt (``chat_prompt``; the model
             folder's, ``xgr.engine.model_folder.ChatTemplate``); None: no chat.
+        training_record: the model folder's record of the catalog it was trained with
+            (``ItemCatalog.write_model_metadata``), which catalog updates must agree with;
+            None: updates are checked against the catalog they change.
         full_vocab: score codes by their log-probability over the whole vocabulary (exact,
             as HF ``generate``); False normalizes over each level's codes only, which skips
             the full-vocabulary LM head (for models whose vocabulary is only the codes).
@@ -100,6 +109,7 @@ class Engine:
         prompt_format: PromptFormat | None = None,
         titles: dict[str, str] | None = None,
         chat_template: ChatTemplate | None = None,
+        training_record: dict | None = None,
         full_vocab: bool = True,
         cuda_graphs: bool = True,
         cuda_streams: int = 1,
@@ -115,25 +125,22 @@ class Engine:
                 raise XgrError(f"{option} must be True or False, got {value!r}")
         model.fuse_projections()  # one GEMM where projections read the same input
         self.model = model
-        self.catalog = catalog
         self.tokenizer = tokenizer
         self.name = name
         self.prompt_format = prompt_format or PromptFormat()
         self.titles = titles or {}
-        self.title_index = TitleIndex(catalog, self.titles)
         self.chat_template = chat_template
+        self.training_record = training_record
         self.device = model.lm_head.weight.device
         table = validate_sid_token_ids(sid_token_ids, catalog, model.config.vocab_size)
         self.sid_token_ids = torch.from_numpy(table).to(self.device)
         self._sid_token_ids_host = table
-        self.trie = catalog.trie.to(self.device)
-        self.catalog_masks = CatalogMasks(catalog, self.trie)
         self.attention_backend = select_attention_backend(self.device, model.shared_kv_layout[2])
-        self.decode_spec = DecodeSpec.build(
-            model, self.trie, self.sid_token_ids, full_vocab, self.attention_backend,
-            first_levels_together,
-        )  # fmt: skip
-        self.runner = self.decode_spec.runner
+        self._version_options = (full_vocab, self.attention_backend, first_levels_together)
+        self._current = self._build_version(1, catalog)
+        self._earlier: list[CatalogVersion] = []  # the versions a rollback returns to
+        self._last_version = 1
+        self._updating = threading.Lock()  # one update at a time
         cuda_streams = positive_int("cuda_streams", cuda_streams)
         pipeline_depth = positive_int("pipeline_depth", pipeline_depth)
         self._lanes = Lanes(self.runner, self.device, cuda_streams, pipeline_depth, cuda_graphs)
@@ -175,6 +182,107 @@ class Engine:
             Path(model_dir), catalog, device, dtype, sid_token_ids,
             lambda **parts: cls(**parts, **options),
         )  # fmt: skip
+
+    @property
+    def catalog(self) -> ItemCatalog:
+        """The served catalog (its current version)."""
+        return self._current.catalog
+
+    @property
+    def catalog_version(self) -> int:
+        """The current catalog version's number (1 at start; ``update_catalog``)."""
+        return self._current.version
+
+    @property
+    def decode_spec(self) -> DecodeSpec:
+        return self._current.spec
+
+    @property
+    def runner(self):
+        """The model family's runner over the current catalog (``xgr.runner``)."""
+        return self._current.spec.runner
+
+    @property
+    def trie(self):
+        """The current catalog's trie on the model's device."""
+        return self._current.spec.trie
+
+    @property
+    def catalog_masks(self) -> CatalogMasks:
+        return self._current.masks
+
+    @property
+    def title_index(self) -> TitleIndex:
+        return self._current.title_index
+
+    def _build_version(self, number: int, catalog: ItemCatalog) -> CatalogVersion:
+        full_vocab, backend, together = self._version_options
+        return CatalogVersion.build(
+            number, catalog, self.model, self.sid_token_ids, self.titles, full_vocab, backend,
+            together,
+        )  # fmt: skip
+
+    def update_catalog(
+        self,
+        add: dict[str, Any] | None = None,
+        remove: Sequence[str] | None = None,
+        set_attributes: dict[str, dict[str, Any]] | None = None,
+        replace: ItemCatalog | None = None,
+    ) -> int:
+        """Serve a new version of the catalog: items added (item id -> semantic ID, as code
+        tokens ``["<a_1>", "<b_2>", "<c_3>"]`` or ints), removed, attributes set, or the
+        whole catalog replaced (``xgr.catalog.updates.CatalogUpdate``).
+
+        The version's device tables are built here, off the request path; batches launched
+        after this returns use it, batches launched before finish on theirs, and no batch
+        mixes versions (each result names its ``catalog_version``). Thread-safe.
+
+        Returns:
+            The new version's number.
+
+        Raises:
+            XgrError: a malformed update, or a catalog the model was not trained for (an
+                item of the training catalog, or of the current one without a training
+                record, with another semantic ID; other levels or codebook); nothing changes.
+        """
+        with self._updating:
+            current = self._current
+            update = CatalogUpdate(add, remove, set_attributes, replace)
+            catalog = apply_update(current.catalog, update)
+            reference = self.training_record or current.catalog.model_record()
+            catalog.check_compatible(
+                reference, "the model" if self.training_record else "the catalog it replaces"
+            )
+            validate_sid_token_ids(self._sid_token_ids_host, catalog, self.model.config.vocab_size)
+            self._last_version += 1
+            version = self._build_version(self._last_version, catalog)
+            self._earlier.append(current)
+            del self._earlier[:-MAX_EARLIER_VERSIONS]
+            self._current = version  # one reference: a launch reads the old or the new
+            logger.info(
+                "catalog version %d: %d items, %d semantic IDs",
+                version.version, len(catalog), catalog.num_semantic_ids,
+            )  # fmt: skip
+            return version.version
+
+    def rollback_catalog(self) -> int:
+        """Serve the version before the current one again (its number and tables).
+
+        Returns:
+            The version now served.
+
+        Raises:
+            XgrError: no earlier version is kept.
+        """
+        with self._updating:
+            if not self._earlier:
+                raise XgrError(
+                    f"no earlier catalog version to roll back to (version {self.catalog_version} "
+                    "is the first kept)"
+                )
+            self._current = self._earlier.pop()
+            logger.info("catalog rolled back to version %d", self._current.version)
+            return self._current.version
 
     @property
     def max_in_flight(self) -> int:
@@ -354,18 +462,21 @@ class Engine:
         if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence):
             raise XgrError("prompts must be a list of prompts")
         search, params = search_params(len(prompts), beam_width, top_k, num_results)
+        version = self._current  # the batch's catalog version, from launch to result
         parts = [self.prompt_input(p) for p in prompts]
         tokenized = [tokens for tokens, _ in parts]
         spans = [s for _, s in parts] if any(s for _, s in parts) else None
         rules = request_rules(
-            self.catalog, len(prompts), allow_item_ids, exclude_item_ids, item_filter
+            version.catalog, len(prompts), allow_item_ids, exclude_item_ids, item_filter
         )
         dtype = self.model.lm_head.weight.dtype
         if not tokenized:
-            return PendingRecommendation(None, None, [], [], [], self.catalog, self.titles, dtype)
+            return PendingRecommendation(
+                None, None, [], [], [], version.catalog, self.titles, dtype, version.version
+            )
         hold = self._lanes.take()
         try:
-            pending = self._launch(hold.lane, tokenized, search, rules, spans)
+            pending = self._launch(hold.lane, version, tokenized, search, rules, spans)
         except BaseException:
             hold.release()
             raise
@@ -374,35 +485,50 @@ class Engine:
         else:
             hold.watch(pending.done)
         return PendingRecommendation(
-            pending, hold, tokenized, params, rules, self.catalog, self.titles, dtype
-        )
+            pending, hold, tokenized, params, rules, version.catalog, self.titles, dtype,
+            version.version,
+        )  # fmt: skip
 
     def _launch(
         self,
         lane: Lane,
+        version: CatalogVersion,
         tokenized: list[np.ndarray],
         search: SearchParams,
         rules: list,
         spans: list | None = None,
     ):
-        """Queue a batch on a lane (``Lanes.run``), its graphs planned once and its trie
-        masks built on the lane's stream while its prefill runs."""
+        """Queue a batch on a lane (``Lanes.run``): its graphs planned for its catalog
+        version's runner (a lane whose graphs were of another version drops them: a new
+        version's batches capture again) and its trie masks built on the lane's stream while
+        its prefill runs."""
         graphs, width, top_k = lane.graphs, search.beam_width, search.top_k
+        spec = version.spec
         filtered = any(r.active for r in rules)
-        if graphs is None:
-            plan, lens = EAGER, None
-        else:
-            lens = [len(t) for t in tokenized]
-            together = self.runner.first_levels_together(len(tokenized), width)
-            embedded = spans is not None
-            plan = graphs.plan(lens, width, top_k, together, filtered=filtered, embedded=embedded)
+        lens = [len(t) for t in tokenized]
+
+        def plan(log: bool = True):
+            together = spec.runner.first_levels_together(len(tokenized), width)
+            return graphs.plan(
+                lens, width, top_k, together, log, filtered=filtered, embedded=spans is not None
+            )  # fmt: skip
 
         def launch():
-            masks = functools.partial(self.catalog_masks.masks, rules) if filtered else None
-            spec = self.decode_spec
-            return launch_semantic_ids(spec, tokenized, width, top_k, graphs, plan, masks, spans)
+            masks = functools.partial(version.masks.masks, rules) if filtered else None
+            if graphs is None:
+                return launch_semantic_ids(spec, tokenized, width, top_k, None, EAGER, masks, spans)
+            with graphs.lock:
+                graphs.use_runner(spec.runner)
+                return launch_semantic_ids(
+                    spec, tokenized, width, top_k, graphs, plan(), masks, spans
+                )
 
-        return self._lanes.run(lane, launch, lambda: graphs.needs_capture(plan, lens))
+        def needs_capture() -> bool:
+            if graphs is None:
+                return False
+            return graphs.runner is not spec.runner or graphs.needs_capture(plan(False), lens)
+
+        return self._lanes.run(lane, launch, needs_capture)
 
     def warm_up(
         self,
@@ -447,4 +573,8 @@ class Engine:
         longest = min(int(prompt_tokens * (1 + spread)), self.max_prompt_tokens)
         shortest = max(1, int(prompt_tokens * (1 - spread)))
         batches = (shortest, longest, max_batch_size)
-        return capture_lanes(self.decode_spec, self._lanes.lanes, batches, beam_width, top_k)
+        spec = self.decode_spec
+        for lane in self._lanes.lanes:
+            with lane.graphs.lock:
+                lane.graphs.use_runner(spec.runner)
+        return capture_lanes(spec, self._lanes.lanes, batches, beam_width, top_k)

@@ -161,6 +161,7 @@ def _load(model_dir, catalog, device, dtype, sid_token_ids) -> dict[str, Any]:
         "prompt_format": PromptFormat.from_model_dir(model_dir, tokenizer_vocab(model_dir)),
         "titles": load_titles(model_dir),
         "chat_template": load_chat_template(model_dir),
+        "training_record": meta,
     }
 
 

@@ -34,6 +34,7 @@ class PendingRecommendation:
         catalog: ItemCatalog,
         titles: dict[str, str],
         dtype: torch.dtype,
+        catalog_version: int = 1,
     ) -> None:
         """``pending``: the launched batch (None: no prompts); ``hold``: its lane, released
         once the device is done (None: nothing held); ``dtype``: the model's, named in a
@@ -42,6 +43,7 @@ class PendingRecommendation:
         self._pending, self._hold, self._tokenized = pending, hold, tokenized
         self._params, self._rules = params, rules
         self._catalog, self._titles, self._dtype = catalog, titles, dtype
+        self._catalog_version = catalog_version
         self._results: list[RecommendResult] | None = [] if pending is None else None
         self._error: BaseException | None = None
         self._collecting = threading.Lock()  # one collect, whichever threads ask
@@ -101,6 +103,7 @@ class PendingRecommendation:
                 level_scores[i],
             )
             result.prompt_tokens = len(tokens)
+            result.catalog_version = self._catalog_version
             result.prefill_ms, result.decode_ms = out.prefill_ms, out.decode_ms
             results.append(result)
         return results
