@@ -272,6 +272,20 @@ def evaluate(source, k, beam_width, max_users, output) -> None:
     is_flag=True,
     help="Log a line per request (default: off; each line costs the event loop).",
 )
+@click.option(
+    "--admin-token",
+    envvar="XGR_ADMIN_TOKEN",
+    default=None,
+    help="Turn on the catalog admin API (/v1/catalog) for requests with "
+    "'Authorization: Bearer TOKEN' (at least 16 characters; or the XGR_ADMIN_TOKEN "
+    "environment variable).",
+)
+@click.option(
+    "--max-catalog-body-bytes",
+    default=1 << 28,
+    show_default=True,
+    help="Largest body of a catalog update (then 413).",
+)
 def serve(
     source,
     host,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import hmac
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -26,7 +27,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from xgr.catalog import resolve_history
+from xgr.catalog import ItemCatalog, resolve_history
 from xgr.catalog.attributes import compile_filter
 from xgr.core import Prompt, SearchParams, XgrError
 from xgr.engine import Engine
@@ -40,6 +41,8 @@ from xgr.server.completions import chat_response, completion_prompts, completion
 from xgr.server.config import BodySizeLimit, ServerConfig
 from xgr.server.embeds import decode_spans, embedded_prompt
 from xgr.server.schemas import (
+    CatalogSummary,
+    CatalogUpdateRequest,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -59,6 +62,10 @@ from xgr.server.schemas import (
 BODY_NOT_PARSED = (
     "invalid request body: not parsable JSON text (UTF-8, with bounded nesting and numbers)"
 )
+
+
+class AdminAuthError(XgrError):
+    """A catalog admin request without the admin token (401)."""
 
 
 class ModelNotFoundError(XgrError):
@@ -140,7 +147,11 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         lifespan=lifespan,
         redirect_slashes=False,  # "/v1/recommend/" is an unknown route (404), not a redirect
     )
-    app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(
+        BodySizeLimit,
+        max_bytes=config.max_body_bytes,
+        paths={"/v1/catalog": config.max_catalog_body_bytes} if config.admin_token else None,
+    )
     # Added last, so it runs first: a refused request costs no body read or parse.
     app.add_middleware(
         AdmissionGate, batcher=batcher, paths=frozenset({"/v1/recommend", "/v1/completions"})
@@ -148,7 +159,12 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
     @app.exception_handler(XgrError)
     async def bad_input(_: Request, exc: XgrError) -> JSONResponse:
-        return error_response(exc, 404 if isinstance(exc, ModelNotFoundError) else None)
+        status = 404 if isinstance(exc, ModelNotFoundError) else None
+        if isinstance(exc, AdminAuthError):
+            response = error_response(exc, 401)
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return response
+        return error_response(exc, status)
 
     async def answer_unless_disconnected(request: Request, waiting):
         """The awaited answer, or None once the client has gone (its requests withdrawn).
@@ -326,6 +342,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
                 for r in result.items
             ],
             complete=result.complete,
+            catalog_version=result.catalog_version,
             timings=Timings(
                 queue_ms=times.queue * 1e3,
                 prefill_ms=times.prefill * 1e3,
@@ -444,7 +461,56 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             return Response(status_code=499)
         return chat_response(engine, answers[0].result, state["started"])
 
+    if config.admin_token:
+        add_catalog_admin(app, engine, config.admin_token)
     return app
+
+
+def add_catalog_admin(app: FastAPI, engine: Engine, token: str) -> None:
+    """The catalog admin API (``GET``/``POST /v1/catalog``, ``POST /v1/catalog/rollback``),
+    each request authorized by ``Authorization: Bearer <token>`` (compared in constant
+    time; no answer echoes it)."""
+    expected = token.encode()
+
+    def authorize(request: Request) -> None:
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
+            raise AdminAuthError("the catalog API needs the header Authorization: Bearer <token>")
+
+    def summary() -> CatalogSummary:
+        catalog = engine.catalog
+        attributes = catalog.attributes.kinds if catalog.attributes is not None else {}
+        return CatalogSummary(
+            catalog_version=engine.catalog_version, num_items=len(catalog),
+            num_semantic_ids=catalog.num_semantic_ids, fingerprint=catalog.fingerprint,
+            attributes=attributes,
+        )  # fmt: skip
+
+    admin = {401: _error("No or another admin token.")}
+
+    @app.get("/v1/catalog", response_model=CatalogSummary, responses=admin)
+    async def catalog_info(request: Request) -> Any:
+        authorize(request)
+        return await asyncio.to_thread(summary)
+
+    @app.post("/v1/catalog", response_model=CatalogSummary, responses={**admin, **POST_ERRORS})
+    async def update_catalog(body: CatalogUpdateRequest, request: Request) -> Any:
+        authorize(request)
+
+        def update() -> CatalogSummary:
+            replace = None
+            if body.replace is not None:
+                replace = ItemCatalog.from_index_dict(body.replace, engine.catalog.codebook_size)
+            engine.update_catalog(body.add, body.remove, body.set_attributes, replace)
+            return summary()
+
+        return await asyncio.to_thread(update)
+
+    @app.post("/v1/catalog/rollback", response_model=CatalogSummary, responses=admin)
+    async def rollback_catalog(request: Request) -> Any:
+        authorize(request)
+        await asyncio.to_thread(engine.rollback_catalog)
+        return await asyncio.to_thread(summary)
 
 
 def _one_prompt(prompts: list) -> list:

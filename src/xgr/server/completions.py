@@ -70,6 +70,7 @@ def completion_response(
             )
             generated += catalog.num_levels
     return CompletionResponse(
+        catalog_version=min((r.catalog_version for r in results), default=1),
         id=f"cmpl-{uuid.uuid4().hex}",
         created=created or int(time.time()),
         model=engine.name,
@@ -108,6 +109,7 @@ def chat_response(engine: Any, result: RecommendResult, created: int) -> ChatCom
     ]
     generated = catalog.num_levels * len(choices)
     return ChatCompletionResponse(
+        catalog_version=result.catalog_version,
         id=f"chatcmpl-{uuid.uuid4().hex}",
         created=created or int(time.time()),
         model=engine.name,

@@ -26,6 +26,9 @@ class ServerConfig:
             ``cuda_streams``); each also queues a launched batch behind its running one.
         max_batch_ms: longest predicted run time of a batch of several requests (ms; None:
             no limit), so requests arriving meanwhile wait at most about that long for it.
+        admin_token: the bearer token of the catalog admin API (``/v1/catalog``); None
+            leaves the API off.
+        max_catalog_body_bytes: largest body of a catalog update (a whole index JSON).
     """
 
     max_beam_width: int = 512
@@ -36,10 +39,12 @@ class ServerConfig:
     max_queue: int = 4096
     streams: int = 1
     max_batch_ms: float | None = None
+    admin_token: str | None = None
+    max_catalog_body_bytes: int = 1 << 28
 
     def __post_init__(self) -> None:
         names = ("max_beam_width", "default_beam_width", "max_batch_size", "max_body_bytes")
-        for name in (*names, "max_batch_tokens", "max_queue", "streams"):
+        for name in (*names, "max_batch_tokens", "max_queue", "streams", "max_catalog_body_bytes"):
             object.__setattr__(
                 self, name, positive_int(f"ServerConfig.{name}", getattr(self, name))
             )
@@ -51,6 +56,13 @@ class ServerConfig:
             )
         if self.default_beam_width > self.max_beam_width:
             raise XgrError("ServerConfig.default_beam_width exceeds max_beam_width")
+        token = self.admin_token
+        if token is not None and (
+            not isinstance(token, str) or len(token) < 16 or not token.isprintable() or " " in token
+        ):
+            raise XgrError(
+                "the admin token must be at least 16 printable characters without spaces"
+            )
 
 
 class BodySizeLimit:
@@ -60,17 +72,20 @@ class BodySizeLimit:
     chunked body is refused before any route sees it.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, paths: dict[str, int] | None = None) -> None:
+        """``paths``: path -> its own limit (the catalog admin API's larger one)."""
         self.app = app
         self.max_bytes = max_bytes
+        self.paths = paths or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.paths.get(scope.get("path", ""), self.max_bytes)
         declared = dict(scope.get("headers", [])).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._too_large(send)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await self._too_large(send, limit)
             return
         chunks, size = [], 0
         while True:
@@ -79,8 +94,8 @@ class BodySizeLimit:
                 return
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
-            if size > self.max_bytes:
-                await self._too_large(send)
+            if size > limit:
+                await self._too_large(send, limit)
                 return
             if not message.get("more_body", False):
                 break
@@ -95,8 +110,8 @@ class BodySizeLimit:
 
         await self.app(scope, replay, send)
 
-    async def _too_large(self, send: Send) -> None:
-        body = f'{{"error": "request body exceeds {self.max_bytes} bytes"}}'.encode()
+    async def _too_large(self, send: Send, limit: int) -> None:
+        body = f'{{"error": "request body exceeds {limit} bytes"}}'.encode()
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),

@@ -119,6 +119,7 @@ class RecommendResponse(BaseModel):
         description="False when the search found fewer than num_results semantic IDs with "
         "an item passing the request's rules and exclusions (fewer of them exist)."
     )
+    catalog_version: int = Field(1, description="The catalog version the search ran on.")
     timings: Timings
 
 
@@ -194,6 +195,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage
+    catalog_version: int = 1
 
 
 class ChatMessage(BaseModel):
@@ -247,6 +249,32 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    catalog_version: int = 1
+
+
+class CatalogUpdateRequest(BaseModel):
+    """Body of ``POST /v1/catalog``: any of add, remove and set_attributes, or replace."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    add: dict[str, list[str] | str] | None = Field(
+        None, description='Item id -> semantic ID, ["<a_1>", "<b_2>", "<c_3>"] (new items).'
+    )
+    remove: list[str] | None = Field(None, description="Ids of items to remove.")
+    set_attributes: dict[str, dict[str, Any]] | None = Field(
+        None, description="Item id -> {attribute: value, or null for none}."
+    )
+    replace: dict[str, list[str] | str] | None = Field(
+        None, description="A whole catalog in the index format (item id -> semantic ID)."
+    )
+
+
+class CatalogSummary(BaseModel):
+    catalog_version: int
+    num_items: int
+    num_semantic_ids: int
+    fingerprint: str
+    attributes: dict[str, str]
 
 
 class ModelCard(BaseModel):
