@@ -82,16 +82,16 @@ def test_updates_and_rollbacks_reach_the_next_requests(admin):
     assert client.post("/v1/recommend", json=body).json()["items"] == first["items"]
     again = client.post("/v1/catalog/rollback", headers=AUTH)
     assert again.status_code == 400 and "no earlier catalog version" in again.json()["error"]
-    index = {item: [f"<a_{c[0]}>", f"<b_{c[1]}>", f"<c_{c[2]}>"]
-             for item, c in zip(engine.catalog.item_ids[:50], engine.catalog.codes.tolist(), strict=False)}  # fmt: skip
+    catalog = engine.catalog
+    index = {
+        item: [f"<{n}_{c}>" for n, c in zip("abc", codes, strict=True)]
+        for item, codes in zip(catalog.item_ids[:50], catalog.codes.tolist(), strict=False)
+    }
     replaced = client.post("/v1/catalog", headers=AUTH, json={"replace": index})
     assert replaced.json()["catalog_version"] == 3 and replaced.json()["num_items"] == 50
-    moved = dict(
-        index,
-        item0=["<a_0>", "<b_0>", "<c_0>"]
-        if index["item0"] != ["<a_0>", "<b_0>", "<c_0>"]
-        else ["<a_1>", "<b_1>", "<c_1>"],
-    )
+    first_codes = ["<a_0>", "<b_0>", "<c_0>"]
+    other = first_codes if index["item0"] != first_codes else ["<a_1>", "<b_1>", "<c_1>"]
+    moved = dict(index, item0=other)
     answer = client.post("/v1/catalog", headers=AUTH, json={"replace": moved})
     assert answer.status_code == 400 and "'item0'" in answer.json()["error"]
     huge = {"add": {f"x{i}": ["<a_1>", "<b_1>", "<c_1>"] for i in range(40_000)}}
