@@ -58,6 +58,8 @@ def check_catalog_compatible(model_dir: Path, catalog: ItemCatalog) -> dict | No
     except (OSError, ValueError, AttributeError) as exc:
         raise XgrError(f"cannot read {path}: {exc!r}") from exc
     catalog.check_compatible(meta, f"the model in {path}")
+    if "items" not in meta:  # an older record: its fingerprint matched, so this is the catalog
+        meta = {**meta, **catalog.model_record()}
     return meta
 
 
