@@ -3,7 +3,7 @@
 from importlib.metadata import PackageNotFoundError, version
 
 from xgr.catalog import ItemCatalog
-from xgr.client import Client
+from xgr.client import Client, ServerError
 from xgr.core import Prompt, Recommendation, RecommendResult, SearchParams, XgrError
 from xgr.engine import Engine
 
@@ -21,5 +21,6 @@ __all__ = [
     "Recommendation",
     "RecommendResult",
     "SearchParams",
+    "ServerError",
     "XgrError",
 ]

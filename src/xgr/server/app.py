@@ -423,7 +423,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         def respond() -> bytes:  # up to 256 x 4096 choices: build and encode off the loop
             results = [a.result for a in answers]
             response = completion_response(
-                engine, results, body.n, state["started"], logprobs=body.logprobs is not None
+                engine, results, body.n, int(time.time()), logprobs=body.logprobs is not None
             )
             return response.model_dump_json().encode()
 
@@ -459,7 +459,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         )
         if answers is None:  # nobody is listening
             return Response(status_code=499)
-        return chat_response(engine, answers[0].result, state["started"])
+        return chat_response(engine, answers[0].result, int(time.time()))
 
     if config.admin_token:
         add_catalog_admin(app, engine, config.admin_token)
