@@ -140,6 +140,11 @@ def test_a_catalog_quantized_again_is_refused_with_the_moved_items(folder, tmp_p
     engine = engine_on(folder, catalog)
     with pytest.raises(XgrError, match=r"other semantic IDs than the catalog it replaces.*'item0'"):
         engine.update_catalog(replace=moved)
+    # Removed and added back in one update with other codes: a move too.
+    other = ((catalog.codes[3] + 1) % CODEBOOK).tolist()
+    with pytest.raises(XgrError, match=r"other semantic IDs than the catalog it replaces.*'item3'"):
+        engine.update_catalog(remove=["item3"], add={"item3": other})
+    assert engine.catalog_version == 1
     # With a training record, the record decides (here: the item left and came back moved).
     import shutil
 

@@ -333,12 +333,16 @@ class ItemCatalog:
             "items": dict(zip(self.item_ids, self.codes.tolist(), strict=True)),
         }
 
-    def check_compatible(self, meta: dict, source: str = "the model") -> None:
+    def check_compatible(self, meta: dict, source: str = "the model", only: Any = None) -> None:
         """Refuse this catalog for a model trained on the one ``meta`` describes
         (``write_model_metadata``'s record) unless they agree: the same levels, codebook
         size and level names, and no item of both with another semantic ID (new and
         removed items are fine). A record without items (older folders) needs the same
         fingerprint.
+
+        Args:
+            only: the item ids to compare (an update's added items, where the others keep
+                their codes); None: every item.
 
         Raises:
             XgrError: the first disagreement, naming up to five items that moved.
@@ -365,7 +369,12 @@ class ItemCatalog:
         if not isinstance(trained, dict):
             raise XgrError(f"{source}'s record of items is not an object of item -> codes")
         moved = []
-        for item, codes in zip(self.item_ids, self.codes.tolist(), strict=True):
+        if only is None:
+            pairs = zip(self.item_ids, self.codes.tolist(), strict=True)
+        else:
+            rows = [self.item_index[i] for i in only]
+            pairs = zip(only, self.codes[rows].tolist(), strict=True)
+        for item, codes in pairs:
             old = trained.get(item)
             if old is not None and old != codes:
                 moved.append(f"{item!r} {old} -> {codes}")

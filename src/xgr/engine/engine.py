@@ -249,10 +249,14 @@ class Engine:
             current = self._current
             update = CatalogUpdate(add, remove, set_attributes, replace)
             catalog = apply_update(current.catalog, update)
-            reference = self.training_record or current.catalog.model_record()
-            catalog.check_compatible(
-                reference, "the model" if self.training_record else "the catalog it replaces"
-            )
+            # Kept items keep their codes: only added ones (or a whole replacement) can move.
+            only = None if replace is not None else [str(i) for i in add or {}]
+            if self.training_record is not None:
+                catalog.check_compatible(self.training_record, "the model", only)
+            else:
+                catalog.check_compatible(
+                    _record_of(current.catalog, only), "the catalog it replaces", only
+                )
             validate_sid_token_ids(self._sid_token_ids_host, catalog, self.model.config.vocab_size)
             self._last_version += 1
             version = self._build_version(self._last_version, catalog)
@@ -578,3 +582,20 @@ class Engine:
             with lane.graphs.lock:
                 lane.graphs.use_runner(spec.runner)
         return capture_lanes(spec, self._lanes.lanes, batches, beam_width, top_k)
+
+
+def _record_of(catalog: ItemCatalog, items: list[str] | None) -> dict:
+    """``catalog.model_record()``, of only ``items`` where given (an update's added items:
+    a record of a million items takes seconds)."""
+    if items is None:
+        return catalog.model_record()
+    record = {
+        "num_levels": catalog.num_levels,
+        "codebook_size": catalog.codebook_size,
+        "level_names": list(catalog.level_names),
+    }
+    rows = [catalog.item_index.get(i) for i in items]
+    record["items"] = {
+        i: catalog.codes[r].tolist() for i, r in zip(items, rows, strict=True) if r is not None
+    }
+    return record
