@@ -167,7 +167,8 @@ class Client:
             "beam_width": beam_width,
             "prompt_embeds": _spans_json(prompt_embeds),
         }
-        data = self._post("/v1/completions", {k: v for k, v in body.items() if v is not None})
+        body = _plain_json({k: v for k, v in body.items() if v is not None})
+        data = self._post("/v1/completions", body)
         return self._choices_result(data, lambda c: c["text"])
 
     def chat(
@@ -184,7 +185,8 @@ class Client:
             ServerError: the server's error (its message included), or no server.
         """
         body = {"messages": list(messages), "n": n, "beam_width": beam_width, "top_k": top_k}
-        data = self._post("/v1/chat/completions", {k: v for k, v in body.items() if v is not None})
+        body = _plain_json({k: v for k, v in body.items() if v is not None})
+        data = self._post("/v1/chat/completions", body)
         return self._choices_result(data, lambda c: c["message"]["content"])
 
     def _choices_result(self, data: dict, text_of) -> RecommendResult:
@@ -286,7 +288,8 @@ def encode_span(offset: int, values: Any) -> dict:
     array (NumPy or torch) as its little-endian bytes in base64.
 
     Raises:
-        XgrError: values that are not a 2-D array of one of those dtypes.
+        XgrError: an offset that is not an int, or values that are not a 2-D array of one
+            of those dtypes (NumPy: in the machine's byte order).
     """
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu()
@@ -300,10 +303,15 @@ def encode_span(offset: int, values: Any) -> dict:
     elif isinstance(values, np.ndarray) and values.dtype in (np.float32, np.float16):
         array, name = values, "float32" if values.dtype == np.float32 else "float16"
     else:
-        raise XgrError("span values must be a float32, float16 or bfloat16 array")
+        raise XgrError(
+            "span values must be a float32 or float16 NumPy array in the machine's byte order, "
+            "or a float32, float16 or bfloat16 torch tensor"
+        )
     if array.ndim != 2:
         raise XgrError(f"span values must be (n, hidden_size), got shape {array.shape}")
     data = np.ascontiguousarray(array, dtype=np.dtype(WIRE_DTYPES[name]))
+    if isinstance(offset, bool) or not isinstance(offset, int | np.integer):
+        raise XgrError(f"a span's offset must be an int, got {offset!r}")
     return {
         "offset": int(offset),
         "shape": [int(n) for n in array.shape],

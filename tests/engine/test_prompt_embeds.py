@@ -119,7 +119,7 @@ def small_engine(model_dirs):
             Prompt([1, 2], [(1, torch.full((1, 64), float("inf")))]),
             r"span 0 \(offset 1\): values hold",
         ),
-        (Prompt([1, 2], [(0, np.zeros((1, 64), np.float64))]), "float32, bfloat16 or float16"),
+        (Prompt([1, 2], [(0, np.zeros((1, 64), np.float64))]), "float32 or float16 NumPy arrays"),
         (Prompt([1, 2], [(0, torch.zeros(1, 64, dtype=torch.int64))]), "float32, bfloat16"),
         (Prompt([1, 2], [(True, np.zeros((1, 64), np.float32))]), "offset must be an int"),
         (Prompt([1, 2], [(0, [[0.0] * 64])]), "NumPy array or a torch tensor"),
@@ -135,6 +135,14 @@ def small_engine(model_dirs):
             None,
         ),
         (Prompt([1, 999], [(0, np.zeros((1, 64), np.float32))]), "token ids must be in"),
+        (Prompt([1, 2], [(0, torch.zeros(1, 64, device="meta"))]), "dense tensor with data"),
+        (Prompt([1, 2], [(0, torch.zeros(1, 64).to_sparse())]), "dense tensor with data"),
+        (
+            Prompt([1, 2], [(0, np.ma.masked_array(np.zeros((1, 64), np.float32)))]),
+            "not a masked one",
+        ),
+        (Prompt([1, 2], [(0, np.zeros((1, 64), ">f4"))]), "machine's byte order"),
+        (Prompt(Prompt([1, 2], []), []), "not another Prompt"),
     ],
 )
 def test_bad_spans_are_refused_by_name(small_engine, prompt, message):
@@ -144,6 +152,8 @@ def test_bad_spans_are_refused_by_name(small_engine, prompt, message):
         return
     with pytest.raises(XgrError, match=message):
         small_engine.recommend([prompt], 4, 4, 2)
+    with pytest.raises(XgrError, match=f"prompt 1: .*{message}"):  # which of several
+        small_engine.recommend([[1, 2], prompt], 4, 4, 2)
 
 
 def test_float16_overflow_is_refused(model_dirs):

@@ -127,3 +127,33 @@ def test_a_404_under_a_url_path_says_so():
     )
     with client, pytest.raises(ServerError, match="the server URL has a path, '/v1/'"):
         client.recommend([1])
+
+
+def test_completions_and_chat_send_numpy_values_and_refuse_bad_offsets():
+    import numpy as np
+
+    from xgr.client import encode_span
+
+    bodies = []
+
+    def answer(request):
+        bodies.append(json.loads(request.content))
+        return httpx.Response(400, json={"error": "stop"})
+
+    client = Client("http://stub.invalid")
+    client._http.close()
+    client._http = httpx.Client(
+        base_url="http://stub.invalid", transport=httpx.MockTransport(answer)
+    )
+    rows = np.zeros((1, 4), np.float32)
+    with client:
+        with pytest.raises(ServerError, match="stop"):
+            client.complete([1, 2], n=np.int64(2), prompt_embeds=[(np.int64(1), rows)])
+        with pytest.raises(ServerError, match="stop"):
+            client.chat([{"role": "user", "content": "hi"}], n=np.int32(3))
+        for offset in (1.7, True, "1"):
+            with pytest.raises(XgrError, match="offset must be an int"):
+                client.complete([1, 2], prompt_embeds=[(offset, rows)])
+    assert bodies[0]["n"] == 2 and bodies[0]["prompt_embeds"][0]["offset"] == 1
+    assert bodies[1]["n"] == 3
+    assert encode_span(0, rows)["shape"] == [1, 4]

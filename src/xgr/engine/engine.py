@@ -467,7 +467,14 @@ class Engine:
             raise XgrError("prompts must be a list of prompts")
         search, params = search_params(len(prompts), beam_width, top_k, num_results)
         version = self._current  # the batch's catalog version, from launch to result
-        parts = [self.prompt_input(p) for p in prompts]
+        parts = []
+        for i, prompt in enumerate(prompts):
+            try:
+                parts.append(self.prompt_input(prompt))
+            except XgrError as exc:  # say which prompt of several (same type: same status)
+                if len(prompts) == 1:
+                    raise
+                raise type(exc)(f"prompt {i}: {exc}") from exc
         tokenized = [tokens for tokens, _ in parts]
         spans = [s for _, s in parts] if any(s for _, s in parts) else None
         rules = request_rules(

@@ -171,6 +171,8 @@ def load_chat_template(model_dir: Path) -> ChatTemplate | None:
     """The folder's chat template (``chat_template.jinja``, or ``chat_template`` in
     ``tokenizer_config.json``), or None without one."""
     config = model_dir / "tokenizer_config.json"
+    if not (model_dir / "tokenizer.json").is_file():  # the template is applied by it
+        return None
     has = (model_dir / "chat_template.jinja").is_file()
     if not has and config.is_file():
         try:
@@ -199,7 +201,13 @@ class ChatTemplate:
             if self._tokenizer is None:
                 from transformers import PreTrainedTokenizerFast
 
-                self._tokenizer = PreTrainedTokenizerFast.from_pretrained(self.model_dir)
+                try:
+                    self._tokenizer = PreTrainedTokenizerFast.from_pretrained(self.model_dir)
+                except Exception as exc:  # transformers raises ValueError, OSError, ...
+                    raise XgrError(
+                        f"the chat template of {self.model_dir} needs the folder's tokenizer, "
+                        f"which cannot be loaded: {exc}"
+                    ) from exc
         try:
             return self._tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True

@@ -25,6 +25,8 @@ def prompt_parts(prompt: Prompt) -> tuple[Any, list[tuple[Any, Any]]]:
             ids, one array.
     """
     embeds = prompt.embeds
+    if isinstance(prompt.token_ids, Prompt):
+        raise XgrError("Prompt.token_ids must be token ids, not another Prompt")
     if prompt.token_ids is None:
         if _is_array(embeds):
             values = _as_tensor(embeds, "the prompt's embeds")
@@ -107,11 +109,19 @@ def _is_array(value: Any) -> bool:
 def _as_tensor(values: Any, name: str) -> torch.Tensor:
     """A CPU tensor of the values, in their own dtype (refusing others)."""
     if isinstance(values, np.ndarray):
+        if isinstance(values, np.ma.MaskedArray):  # its masked entries would escape the checks
+            raise XgrError(f"{name}: values must be a plain array, not a masked one")
         if values.dtype not in (np.float32, np.float16):
             raise XgrError(
-                f"{name}: values must be float32, bfloat16 or float16, got NumPy {values.dtype}"
+                f"{name}: values must be float32 or float16 NumPy arrays in the machine's byte "
+                f"order (bfloat16 as a torch tensor), got NumPy {values.dtype.str}"
             )
         values = torch.from_numpy(np.ascontiguousarray(values))
     elif values.dtype not in SPAN_DTYPES:
         raise XgrError(f"{name}: values must be float32, bfloat16 or float16, got {values.dtype}")
+    elif values.layout != torch.strided or values.is_nested or values.device.type == "meta":
+        raise XgrError(
+            f"{name}: values must be a dense tensor with data, got {values.layout} on "
+            f"{values.device}"
+        )
     return values.detach().to("cpu")

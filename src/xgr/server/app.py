@@ -154,7 +154,9 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     )
     # Added last, so it runs first: a refused request costs no body read or parse.
     app.add_middleware(
-        AdmissionGate, batcher=batcher, paths=frozenset({"/v1/recommend", "/v1/completions"})
+        AdmissionGate,
+        batcher=batcher,
+        paths=frozenset({"/v1/recommend", "/v1/completions", "/v1/chat/completions"}),
     )
 
     @app.exception_handler(XgrError)
