@@ -402,44 +402,36 @@ def encode_value(name: str, kind: str, value: Any, vocabulary: list[str]) -> Any
             integer outside 64 bits.
     """
     value = _plain(value)
-    if kind == "string":
-        if not isinstance(value, str):
-            raise XgrError(f"attribute {name!r} is a string: got {_short(value)}")
-        if value not in vocabulary:
-            vocabulary.append(value)
-        return vocabulary.index(value)
+    if kind != "string":
+        return _number_or_bool(name, kind, value)
+    _check_string(name, value)
+    if value not in vocabulary:
+        vocabulary.append(value)
+    return vocabulary.index(value)
+
+
+def _encode(name: str, kind: str, value: Any, attributes: ItemAttributes) -> Any:
+    """One operand in the column's encoding, type-checked."""
+    if kind != "string":
+        return _number_or_bool(name, kind, value)
+    _check_string(name, value)
+    return attributes.code_of(name, value)
+
+
+def _check_string(name: str, value: Any) -> None:
+    if not isinstance(value, str):
+        raise XgrError(f"attribute {name!r} is a string: got {_short(value)}")
+
+
+def _number_or_bool(name: str, kind: str, value: Any) -> Any:
+    """A value of a numeric or boolean column, type-checked: a bool, a finite float, or an
+    integer within 64 bits (an integral float taken as one)."""
     if kind == "bool":
         if not isinstance(value, bool):
             raise XgrError(f"attribute {name!r} is a boolean: got {_short(value)}")
         return value
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise XgrError(f"attribute {name!r} is a number ({kind}): got {_short(value)}")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise XgrError(f"attribute {name!r}: {value!r} is not a finite number")
-    if kind == "float":
-        return _as_float(name, value)
-    if isinstance(value, float) and not value.is_integer():
-        raise XgrError(f"attribute {name!r} is an integer: got {value!r}")
-    value = int(value)
-    if not INT64_MIN <= value <= INT64_MAX:
-        raise XgrError(
-            f"attribute {name!r} is a 64-bit integer: {_short(value)} is outside its range"
-        )
-    return value
-
-
-def _encode(name: str, kind: str, value: Any, attributes: ItemAttributes) -> Any:
-    """One operand in the column's encoding, type-checked."""
-    if kind == "string":
-        if not isinstance(value, str):
-            raise XgrError(f"attribute {name!r} is a string: got {value!r}")
-        return attributes.code_of(name, value)
-    if kind == "bool":
-        if not isinstance(value, bool):
-            raise XgrError(f"attribute {name!r} is a boolean: got {value!r}")
-        return value
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise XgrError(f"attribute {name!r} is a number ({kind}): got {value!r}")
     if isinstance(value, float) and not math.isfinite(value):
         raise XgrError(f"attribute {name!r}: {value!r} is not a finite number")
     if kind == "float":
