@@ -31,6 +31,7 @@ from xgr.engine.lanes import Lane, Lanes
 from xgr.engine.model_folder import ChatTemplate, load_engine
 from xgr.engine.prompt import (
     PromptFormat,
+    each_prompt,
     integer_tokens,
     refuse_unencodable_text,
     refuse_unknown_pieces,
@@ -467,14 +468,7 @@ class Engine:
             raise XgrError("prompts must be a list of prompts")
         search, params = search_params(len(prompts), beam_width, top_k, num_results)
         version = self._current  # the batch's catalog version, from launch to result
-        parts = []
-        for i, prompt in enumerate(prompts):
-            try:
-                parts.append(self.prompt_input(prompt))
-            except XgrError as exc:  # say which prompt of several (same type: same status)
-                if len(prompts) == 1:
-                    raise
-                raise type(exc)(f"prompt {i}: {exc}") from exc
+        parts = each_prompt(prompts, self.prompt_input)
         tokenized = [tokens for tokens, _ in parts]
         spans = [s for _, s in parts] if any(s for _, s in parts) else None
         rules = request_rules(

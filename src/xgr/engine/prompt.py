@@ -11,7 +11,7 @@ just the items' tokens with no history cap.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -215,3 +215,21 @@ def refuse_unknown_pieces(tokenizer: Any, prompt: str, encoding: Any) -> None:
                 f"unknown token {prompt[start:end]!r} at character {start} of the prompt: "
                 "not in the model's vocabulary"
             )
+
+
+def each_prompt(prompts: Sequence[Any], convert: Callable[[Any], Any]) -> list[Any]:
+    """``convert`` of each prompt, in order.
+
+    Raises:
+        XgrError: ``convert``'s, of the same type; for one prompt of several its message
+            says which ("prompt 2: ...").
+    """
+    out = []
+    for i, prompt in enumerate(prompts):
+        try:
+            out.append(convert(prompt))
+        except XgrError as exc:
+            if len(prompts) == 1:
+                raise
+            raise type(exc)(f"prompt {i}: {exc}") from exc
+    return out

@@ -31,6 +31,7 @@ from xgr.catalog import ItemCatalog, resolve_history
 from xgr.catalog.attributes import compile_filter
 from xgr.core import Prompt, SearchParams, XgrError
 from xgr.engine import Engine
+from xgr.engine.prompt import each_prompt
 from xgr.scheduler import (
     QueuedRequest,
     RequestBatcher,
@@ -359,10 +360,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         responses={**POST_ERRORS, 404: _error("Unknown model.")},
     )
     async def completions(body: CompletionRequest, http_request: Request) -> Any:
-        if body.model is not None and body.model != engine.name:
-            raise ModelNotFoundError(
-                f"model {body.model!r} is not served here; this server serves {engine.name!r}"
-            )
+        check_model(engine, body.model)
         if not body.use_beam_search:
             raise XgrError("use_beam_search must be true: xgr decodes by beam search only")
         if body.logprobs:
@@ -370,24 +368,14 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
                 "logprobs must be 0 or absent (got a positive value): each choice's own code "
                 "tokens' log-probabilities are given, not the top alternatives"
             )
-        levels = engine.catalog.num_levels
-        if body.max_tokens is not None and body.max_tokens != levels:
-            raise XgrError(f"max_tokens must equal the number of semantic-ID levels ({levels})")
+        check_max_tokens(engine, body.max_tokens)
         if body.beam_width and body.best_of and body.beam_width != body.best_of:
             raise XgrError(
                 f"beam_width ({body.beam_width}) and its alias best_of ({body.best_of}) differ"
             )
-        if not (body.beam_width or body.best_of) and body.n > config.max_beam_width:
-            raise XgrError(
-                f"n ({body.n}) exceeds this server's limit {config.max_beam_width} (n results "
-                "need a beam at least as wide)"
-            )
-        beam_width = body.beam_width or body.best_of or max(body.n, config.default_beam_width)
-        if body.n > beam_width:  # named as this API names them, not as the engine does
-            raise XgrError(
-                f"n ({body.n}) must not exceed the beam width ({beam_width}, from beam_width "
-                "or best_of)"
-            )
+        beam_width = completion_beam(
+            config, body.n, body.beam_width or body.best_of, ", from beam_width or best_of"
+        )
         check_search(beam_width, beam_width, body.n)
 
         if body.prompt is None and body.prompt_embeds is None:
@@ -401,16 +389,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
                     ids = engine.token_ids(text_or_ids)
                 spans = decode_spans(body.prompt_embeds, engine.max_prompt_tokens)
                 return [checked_prompt(engine, embedded_prompt(ids, spans))]
-            prompts = completion_prompts(body.prompt)
-            tokenized = []
-            for i, prompt in enumerate(prompts):
-                try:
-                    tokenized.append(engine.token_ids(prompt))
-                except XgrError as exc:  # say which prompt of several (same type: same status)
-                    if len(prompts) == 1:
-                        raise
-                    raise type(exc)(f"prompt {i}: {exc}") from exc
-            return tokenized
+            return each_prompt(completion_prompts(body.prompt), engine.token_ids)
 
         prompts = await asyncio.to_thread(tokenize_all)
         # All prompts of one completion are admitted together (or refused together), so they
@@ -437,21 +416,9 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         responses={**POST_ERRORS, 404: _error("Unknown model.")},
     )
     async def chat_completions(body: ChatCompletionRequest, http_request: Request) -> Any:
-        if body.model is not None and body.model != engine.name:
-            raise ModelNotFoundError(
-                f"model {body.model!r} is not served here; this server serves {engine.name!r}"
-            )
-        levels = engine.catalog.num_levels
-        if body.max_tokens is not None and body.max_tokens != levels:
-            raise XgrError(f"max_tokens must equal the number of semantic-ID levels ({levels})")
-        if body.beam_width is None and body.n > config.max_beam_width:
-            raise XgrError(
-                f"n ({body.n}) exceeds this server's limit {config.max_beam_width} (n results "
-                "need a beam at least as wide)"
-            )
-        beam_width = body.beam_width or max(body.n, config.default_beam_width)
-        if body.n > beam_width:
-            raise XgrError(f"n ({body.n}) must not exceed the beam width ({beam_width})")
+        check_model(engine, body.model)
+        check_max_tokens(engine, body.max_tokens)
+        beam_width = completion_beam(config, body.n, body.beam_width)
         top_k = body.top_k or beam_width
         check_search(beam_width, top_k, body.n)
         messages = [m.model_dump() for m in body.messages]
@@ -513,6 +480,41 @@ def add_catalog_admin(app: FastAPI, engine: Engine, token: str) -> None:
         authorize(request)
         await asyncio.to_thread(engine.rollback_catalog)
         return await asyncio.to_thread(summary)
+
+
+def check_model(engine: Engine, model: str | None) -> None:
+    """Raise ``ModelNotFoundError`` (404) when a completion names another model."""
+    if model is not None and model != engine.name:
+        raise ModelNotFoundError(
+            f"model {model!r} is not served here; this server serves {engine.name!r}"
+        )
+
+
+def check_max_tokens(engine: Engine, max_tokens: int | None) -> None:
+    """Raise ``XgrError`` when ``max_tokens`` is not the number of semantic-ID levels."""
+    levels = engine.catalog.num_levels
+    if max_tokens is not None and max_tokens != levels:
+        raise XgrError(f"max_tokens must equal the number of semantic-ID levels ({levels})")
+
+
+def completion_beam(config: ServerConfig, n: int, beam_width: int | None, named: str = "") -> int:
+    """A completion's beam width: the one given, else max(n, the server's default).
+
+    Args:
+        named: how the request named the width, for the error (", from ...").
+
+    Raises:
+        XgrError: no width given and n over the server's limit, or n over the width.
+    """
+    if not beam_width and n > config.max_beam_width:
+        raise XgrError(
+            f"n ({n}) exceeds this server's limit {config.max_beam_width} (n results "
+            "need a beam at least as wide)"
+        )
+    width = beam_width or max(n, config.default_beam_width)
+    if n > width:  # named as this API names them, not as the engine does
+        raise XgrError(f"n ({n}) must not exceed the beam width ({width}{named})")
+    return width
 
 
 def _one_prompt(prompts: list) -> list:
