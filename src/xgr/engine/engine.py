@@ -512,11 +512,15 @@ class Engine:
         filtered = any(r.active for r in rules)
         lens = [len(t) for t in tokenized]
 
-        def plan(log: bool = True):
-            together = spec.runner.first_levels_together(len(tokenized), width)
-            return graphs.plan(
-                lens, width, top_k, together, log, filtered=filtered, embedded=spans is not None
-            )  # fmt: skip
+        plans = {}  # by the graphs' runner, which makes the prefill shape: planned once
+
+        def plan():
+            if graphs.runner not in plans:
+                together = spec.runner.first_levels_together(len(tokenized), width)
+                plans[graphs.runner] = graphs.plan(
+                    lens, width, top_k, together, filtered=filtered, embedded=spans is not None
+                )
+            return plans[graphs.runner]
 
         def launch():
             masks = functools.partial(version.masks.masks, rules) if filtered else None
@@ -531,7 +535,7 @@ class Engine:
         def needs_capture() -> bool:
             if graphs is None:
                 return False
-            return graphs.runner is not spec.runner or graphs.needs_capture(plan(False), lens)
+            return graphs.runner is not spec.runner or graphs.needs_capture(plan(), lens)
 
         return self._lanes.run(lane, launch, needs_capture)
 
