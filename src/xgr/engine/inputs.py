@@ -164,7 +164,7 @@ class BatchInputs:
 
 def embed_values(region: torch.Tensor, rows: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
     """(rows, hidden) ``dtype`` view of an int64 region's bytes."""
-    size = rows * hidden * torch.empty((), dtype=dtype).element_size()
+    size = rows * hidden * dtype.itemsize
     return region.view(torch.uint8)[:size].view(dtype).view(rows, hidden)
 
 
@@ -234,7 +234,7 @@ def prepare_inputs(
     num = len(prompts)
     lens, cu = _offsets(prompts)
     rows = _embed_rows(spans)
-    row_bytes = hidden * torch.empty((), dtype=dtype).element_size() if rows else 0
+    row_bytes = hidden * dtype.itemsize if rows else 0
     layout = _packed_layout(cu[-1], num, _int64_slots_of_rows(rows, row_bytes) if rows else -1)
     # On CUDA the buffer is pinned from the start (no staging copy), so the transfer below
     # is queued without waiting; the caching host allocator keeps it until the copy is done.
@@ -308,7 +308,7 @@ class InputStaging:
     ) -> None:
         self.max_requests, self.max_tokens = max_requests, max_tokens
         self.embed_tokens, self.hidden, self.dtype = embed_tokens, hidden, dtype
-        self.row_bytes = hidden * torch.empty((), dtype=dtype).element_size() if embed_tokens else 0
+        self.row_bytes = hidden * dtype.itemsize if embed_tokens else 0
         sizes = {
             "cu_seqlens": max_requests + 1,
             "prompt_lens": max_requests,
