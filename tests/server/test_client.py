@@ -83,9 +83,8 @@ def test_bad_arguments_fail_before_sending():
     assert sent == []
 
 
-def test_numpy_item_ids_are_sent_as_numbers():
-    import numpy as np
-
+def refusing_stub() -> tuple[Client, list]:
+    """A client whose server records each JSON body and answers 400 "stop"."""
     bodies = []
 
     def answer(request):
@@ -97,6 +96,13 @@ def test_numpy_item_ids_are_sent_as_numbers():
     client._http = httpx.Client(
         base_url="http://stub.invalid", transport=httpx.MockTransport(answer)
     )
+    return client, bodies
+
+
+def test_numpy_item_ids_are_sent_as_numbers():
+    import numpy as np
+
+    client, bodies = refusing_stub()
     with client, pytest.raises(ServerError, match="stop"):
         client.recommend(
             np.array([3, 4]), beam_width=np.int64(8), num_results=np.int32(2),
@@ -134,17 +140,7 @@ def test_completions_and_chat_send_numpy_values_and_refuse_bad_offsets():
 
     from xgr.client import encode_span
 
-    bodies = []
-
-    def answer(request):
-        bodies.append(json.loads(request.content))
-        return httpx.Response(400, json={"error": "stop"})
-
-    client = Client("http://stub.invalid")
-    client._http.close()
-    client._http = httpx.Client(
-        base_url="http://stub.invalid", transport=httpx.MockTransport(answer)
-    )
+    client, bodies = refusing_stub()
     rows = np.zeros((1, 4), np.float32)
     with client:
         with pytest.raises(ServerError, match="stop"):
