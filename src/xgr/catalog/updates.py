@@ -92,9 +92,9 @@ def _codes_of(catalog: ItemCatalog, add: Mapping[str, Any]) -> np.ndarray:
     """(len(add), levels) int64 codes of the added items, checked against the catalog."""
     if not add:
         return np.zeros((0, catalog.num_levels), dtype=np.int64)
-    parsed = ItemCatalog.from_index_dict(
-        {i: c for i, c in add.items() if not _all_ints(c)}, catalog.codebook_size
-    ) if any(not _all_ints(c) for c in add.values()) else None  # fmt: skip
+    # Code tokens are read, and checked against the codebook, as an index file's are.
+    tokens = {i: c for i, c in add.items() if not _all_ints(c)}
+    parsed = ItemCatalog.from_index_dict(tokens, catalog.codebook_size) if tokens else None
     rows = []
     for item, codes in add.items():
         if _all_ints(codes):
