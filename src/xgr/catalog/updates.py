@@ -69,13 +69,13 @@ def _added_and_removed(catalog: ItemCatalog, add: Mapping[str, Any], remove) -> 
     if not isinstance(add, Mapping):
         raise XgrError("add must be an object of item id -> semantic ID")
     add = {str(k): v for k, v in add.items()}
-    present = [i for i in add if i in catalog.item_index and i not in set(remove)]
+    gone = set(remove)
+    present = [i for i in add if i in catalog.item_index and i not in gone]
     if present:
         raise XgrError(
             f"cannot add items the catalog has (remove them in the same update to move them): "
             f"{_names(present)}"
         )
-    gone = set(remove)
     keep = [row for row, item in enumerate(catalog.item_ids) if item not in gone]
     added = _codes_of(catalog, add)
     item_ids = [catalog.item_ids[r] for r in keep] + list(add)
