@@ -393,9 +393,10 @@ def _plain(value: Any) -> Any:
     return value.item() if isinstance(value, np.generic) else value
 
 
-def encode_value(name: str, kind: str, value: Any, vocabulary: list[str]) -> Any:
-    """An item's new value of a column as stored: a string's code in ``vocabulary`` (a new
-    string appended), or the number or bool itself, type-checked.
+def encode_value(name: str, kind: str, value: Any, codes: dict[str, int]) -> Any:
+    """An item's new value of a column as stored: a string's code in ``codes`` (string ->
+    code, in code order; a new string gets the next code), or the number or bool itself,
+    type-checked.
 
     Raises:
         XgrError: a value of another type than the column's, a non-finite float, or an
@@ -405,9 +406,7 @@ def encode_value(name: str, kind: str, value: Any, vocabulary: list[str]) -> Any
     if kind != "string":
         return _number_or_bool(name, kind, value)
     _check_string(name, value)
-    if value not in vocabulary:
-        vocabulary.append(value)
-    return vocabulary.index(value)
+    return codes.setdefault(value, len(codes))
 
 
 def _encode(name: str, kind: str, value: Any, attributes: ItemAttributes) -> Any:

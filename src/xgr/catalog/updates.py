@@ -150,7 +150,7 @@ def _with_values(catalog: ItemCatalog, changes: Mapping[str, Mapping[str, Any]])
     columns = {
         n: Column(c.kind, c.values.copy(), c.present.copy(), c.vocabulary) for n, c in old.items()
     }
-    vocabularies = {n: list(c.vocabulary) for n, c in columns.items()}
+    vocabularies = {n: {v: i for i, v in enumerate(c.vocabulary)} for n, c in columns.items()}
     for item, values in changes.items():
         row = catalog.item_index.get(str(item))
         if row is None:
