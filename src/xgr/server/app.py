@@ -385,8 +385,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             if body.prompt_embeds is not None:
                 ids = None
                 if body.prompt is not None:
-                    (text_or_ids,) = _one_prompt(completion_prompts(body.prompt))
-                    ids = engine.token_ids(text_or_ids)
+                    ids = engine.token_ids(_one_prompt(completion_prompts(body.prompt)))
                 spans = decode_spans(body.prompt_embeds, engine.max_prompt_tokens)
                 return [checked_prompt(engine, embedded_prompt(ids, spans))]
             return each_prompt(completion_prompts(body.prompt), engine.token_ids)
@@ -517,7 +516,7 @@ def completion_beam(config: ServerConfig, n: int, beam_width: int | None, named:
     return width
 
 
-def _one_prompt(prompts: list) -> list:
+def _one_prompt(prompts: list) -> Any:
     """The single prompt that prompt_embeds go with.
 
     Raises:
@@ -525,7 +524,7 @@ def _one_prompt(prompts: list) -> list:
     """
     if len(prompts) != 1:
         raise XgrError(f"prompt_embeds go with one prompt, got {len(prompts)}")
-    return prompts
+    return prompts[0]
 
 
 def checked_prompt(engine: Engine, prompt: Prompt) -> Prompt:
