@@ -17,6 +17,7 @@ from tests.hf_oracle import (
     hf_t5_constrained_beam_search,
 )
 from xgr import Engine, Prompt, XgrError
+from xgr.engine.prompt_embeds import largest_magnitude
 
 LEVELS, CODEBOOK, OFFSET = 3, 16, 8
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -164,6 +165,23 @@ def test_float16_overflow_is_refused(model_dirs):
     )  # fmt: skip
     with pytest.raises(XgrError, match="overflow the model's dtype"):
         engine.recommend([Prompt([1, 2], [(0, np.full((1, 64), 1e6, np.float32))])], 4, 4, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_largest_magnitude_equals_torch(dtype):
+    gen = torch.Generator().manual_seed(0)
+    values = (torch.randn(37, 64, generator=gen) * 100).to(dtype)
+    assert largest_magnitude(values) == float(values.abs().amax())
+    for special in (-float("inf"), float("inf")):
+        with_special = values.clone()
+        with_special[5, 7] = special
+        assert largest_magnitude(with_special) == float("inf")
+    with_nan = values.clone()
+    with_nan[36, 63] = float("nan")
+    with_nan[0, 0] = float("inf")
+    assert np.isnan(largest_magnitude(with_nan))
+    assert largest_magnitude(torch.zeros(1, 3, dtype=dtype)) == 0.0
+    assert largest_magnitude(-torch.ones(1, 3, dtype=dtype) * 2) == 2.0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -44,6 +44,10 @@ from xgr.kv import BeamKV, SharedKV
 from xgr.runner import LevelBatch, ModelRunner, PrefillBatch, Prefilled, PrefillShape
 from xgr.runner.shapes import next_power_of_two
 
+# The fewest prefill tokens the staging buffer makes room for once a batch brings given
+# embeddings: growing it drops every graph, and most prompts are within this many tokens.
+EMBED_TOKENS_FLOOR = 8192
+
 logger = logging.getLogger(__name__)
 
 
@@ -82,8 +86,8 @@ class CudaGraphs:
         self._prompt_kv = PromptKVPool(runner.model)
         self._staging: InputStaging | None = None
         self._code_kv: BeamKV | None = None
-        # The largest padded prefill with given embeddings planned so far (a power of two):
-        # the staging buffer holds room for its rows.
+        # Room in the staging buffer for given embeddings: the largest padded prefill with
+        # them planned so far, as a power of two, and at least EMBED_TOKENS_FLOOR.
         self._embed_tokens = 0
 
     def plan(
@@ -132,7 +136,8 @@ class CudaGraphs:
             return GraphPlan(None, decode)
         if embedded:
             shape = dataclasses.replace(shape, embeds=True)
-            self._embed_tokens = max(self._embed_tokens, next_power_of_two(shape.padded_tokens))
+            room = max(next_power_of_two(shape.padded_tokens), EMBED_TOKENS_FLOOR)
+            self._embed_tokens = max(self._embed_tokens, min(room, self.max_prefill_tokens))
         return GraphPlan(shape, decode)
 
     def needs_capture(self, plan: GraphPlan, prompt_lens: list[int]) -> bool:

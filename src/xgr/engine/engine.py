@@ -355,8 +355,8 @@ class Engine:
 
     def prompt_input(self, prompt: PromptLike) -> tuple[np.ndarray, list]:
         """A prompt's token ids (``token_ids``) and its given input embeddings: checked
-        (offset, (n, hidden_size) model-dtype CPU tensor) spans, sorted by offset; none for
-        a list of ids or a string.
+        (offset, (n, hidden_size) CPU tensor, its values fitting the model's dtype) spans,
+        sorted by offset; none for a list of ids or a string.
 
         Raises:
             XgrError: an unusable prompt or span (naming it; ``xgr.Prompt``).

@@ -27,8 +27,8 @@ from xgr.runner.shapes import padding_segments
 # Token id of a padded prefill's filler tokens (their results are never read).
 PREFILL_PAD_TOKEN = 0
 
-# One prompt's given input embeddings: (offset, (n, hidden) model-dtype CPU tensor) spans,
-# checked (``xgr.engine.prompt_embeds``).
+# One prompt's given input embeddings: (offset, (n, hidden) CPU tensor) spans, checked
+# (``xgr.engine.prompt_embeds``); packing converts them to the model's dtype.
 Spans = Sequence[tuple[int, torch.Tensor]]
 
 
