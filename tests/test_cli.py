@@ -56,6 +56,7 @@ def test_recommend_json_excludes_history(served_model_dir):
 
 def test_errors_are_messages_not_tracebacks(served_model_dir, tmp_path):
     model = str(served_model_dir)
+    index = str(served_model_dir / "catalog.index.json")
     (tmp_path / "file").write_text("")  # a --cache-dir below a file cannot be made
     (tmp_path / "report.json").write_text("{}")
     (tmp_path / "hard.png").hardlink_to(tmp_path / "report.json")
@@ -72,6 +73,24 @@ def test_errors_are_messages_not_tracebacks(served_model_dir, tmp_path):
         (("recommend", "--model", model, "--device", "foo", "--history", "x"), "unknown device"),
         (("recommend", "--model", model, "--top-k", "0", "--history", "item3"), "top_k"),
         (("serve", "--model", model, "--port", "99999"), "99999"),
+        (
+            ("serve", "--model", model, "--catalog", index, "--catalog", index),
+            "--catalog: given several times, each must be NAME=FILE",
+        ),
+        (
+            ("serve", "--model", model, "--catalog", f"us={index}", "--catalog", f"us={index}"),
+            "--catalog: a catalog name is given twice",
+        ),
+        (
+            ("serve", "--model", model, "--catalog", f"us={index}", "--attributes", f"eu={index}"),
+            "--attributes eu=",
+        ),
+        (("serve", "--model", model, "--attributes", str(tmp_path)), "is not a file"),
+        (
+            ("recommend", "--model", model, "--catalog", f"us={tmp_path / 'none.json'}",
+             "--history", "item3"),
+            "none.json",
+        ),  # fmt: skip
         (("serve", "--model", model, "--host", "not a host!"), "--host 'not a host!' cannot be"),
         (("serve", "--model", model, "--warm-up-tokens", "100000"), "100000 tokens exceed"),
         (("serve", "--model", model, "--max-batch-ms", "0"), "max_batch_ms"),

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from xgr.catalog.history import history_entries
-from xgr.core import Recommendation, RecommendResult, XgrError
+from xgr.core import DEFAULT_CATALOG, Recommendation, RecommendResult, XgrError
 
 _CODE = re.compile(r"<[a-z]+_(\d+)>")
 
@@ -72,6 +72,7 @@ class Client:
         item_filter: dict | None = None,
         return_level_scores: bool = False,
         prompt_embeds: Sequence[tuple[int, Any]] | None = None,
+        catalog: str | None = None,
     ) -> RecommendResult:
         """``POST /v1/recommend``; the same result type as ``Engine.recommend`` gives, except
         that ``semantic_ids`` lists only the IDs of the returned items (the answer does not
@@ -81,7 +82,9 @@ class Client:
         (the body's ``exclude_items``, ``allow_items`` and ``filter``). With
         ``return_level_scores`` the items carry ``level_scores`` (else they are empty).
         ``prompt_embeds``: (offset, (n, hidden_size) array) spans of input embeddings over
-        positions of the prompt the server builds from the history.
+        positions of the prompt the server builds from the history. ``catalog``: the name
+        of the catalog to recommend from (default: the server's first); the result names
+        the catalog and version searched.
 
         Raises:
             ServerError: the server answered with an error (its message included), or could
@@ -101,6 +104,7 @@ class Client:
             "filter": _plain_json(item_filter),
             "return_level_scores": return_level_scores or None,
             "prompt_embeds": _spans_json(prompt_embeds),
+            "catalog": catalog,
         }
         # numpy scalars (ids or sizes read from arrays) are not JSON: plain Python values.
         body = {k: v.item() if hasattr(v, "item") else v for k, v in body.items() if v is not None}
@@ -130,6 +134,7 @@ class Client:
                 prefill_ms=timings["prefill_ms"],
                 decode_ms=timings["decode_ms"],
                 complete=bool(data.get("complete", True)),
+                **_catalog_of(data),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ServerError(
@@ -142,6 +147,7 @@ class Client:
         n: int = 1,
         beam_width: int | None = None,
         prompt_embeds: Sequence[tuple[int, Any]] | Any | None = None,
+        catalog: str | None = None,
     ) -> RecommendResult:
         """``POST /v1/completions`` for one prompt: its ``n`` best semantic IDs with their
         scores (``semantic_ids``) and their items (``items``, in that order).
@@ -151,6 +157,7 @@ class Client:
                 of embeddings.
             prompt_embeds: (offset, (n, hidden_size) array) spans of input embeddings over
                 the prompt's positions; without a prompt, one (n, hidden_size) array.
+            catalog: the catalog's name (default: the server's first).
 
         Raises:
             ServerError: the server's error (its message included), or no server.
@@ -166,6 +173,7 @@ class Client:
             "n": n,
             "beam_width": beam_width,
             "prompt_embeds": _spans_json(prompt_embeds),
+            "catalog": catalog,
         }
         body = _plain_json({k: v for k, v in body.items() if v is not None})
         data = self._post("/v1/completions", body)
@@ -177,14 +185,19 @@ class Client:
         n: int = 1,
         beam_width: int | None = None,
         top_k: int | None = None,
+        catalog: str | None = None,
     ) -> RecommendResult:
         """``POST /v1/chat/completions``: the conversation through the model's chat template,
-        its ``n`` best semantic IDs and their items, as ``complete`` gives them.
+        its ``n`` best semantic IDs and their items, as ``complete`` gives them, from the
+        catalog named ``catalog`` (default: the server's first).
 
         Raises:
             ServerError: the server's error (its message included), or no server.
         """
-        body = {"messages": list(messages), "n": n, "beam_width": beam_width, "top_k": top_k}
+        body = {
+            "messages": list(messages), "n": n, "beam_width": beam_width, "top_k": top_k,
+            "catalog": catalog,
+        }  # fmt: skip
         body = _plain_json({k: v for k, v in body.items() if v is not None})
         data = self._post("/v1/chat/completions", body)
         return self._choices_result(data, lambda c: c["message"]["content"])
@@ -192,7 +205,9 @@ class Client:
     def _choices_result(self, data: dict, text_of) -> RecommendResult:
         """A completion's choices as a ``RecommendResult``."""
         try:
-            result = RecommendResult(prompt_tokens=int(data["usage"]["prompt_tokens"]))
+            result = RecommendResult(
+                prompt_tokens=int(data["usage"]["prompt_tokens"]), **_catalog_of(data)
+            )
             for choice in data["choices"]:
                 codes = tuple(int(c) for c in _CODE.findall(text_of(choice)))
                 score = float(choice["score"])
@@ -317,4 +332,12 @@ def encode_span(offset: int, values: Any) -> dict:
         "shape": [int(n) for n in array.shape],
         "dtype": name,
         "data": base64.b64encode(data.tobytes()).decode("ascii"),
+    }
+
+
+def _catalog_of(data: dict) -> dict[str, Any]:
+    """The catalog name and version an answer names (``RecommendResult`` fields)."""
+    return {
+        "catalog": str(data.get("catalog", DEFAULT_CATALOG)),
+        "catalog_version": int(data.get("catalog_version", 1)),
     }

@@ -14,9 +14,15 @@ from __future__ import annotations
 
 import json
 import numbers
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+
+# The name of an engine's catalog when it is given one, not a mapping of names.
+DEFAULT_CATALOG = "default"
+# A catalog's name: what a request, a metric label and a CLI option carry.
+CATALOG_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 class XgrError(ValueError):
@@ -155,6 +161,7 @@ class RecommendResult:
         prefill_ms: wall time (ms) of the batch's prefill this prompt ran in.
         decode_ms: wall time (ms) of the batch's decode steps.
         catalog_version: the catalog version the search ran on (``Engine.update_catalog``).
+        catalog: the name of the catalog searched (``Engine.catalogs``).
         complete: False when the beam_width final beams held fewer than ``num_results``
             semantic IDs with an item passing the request's rules (fewer such semantic IDs
             exist, or a beam narrower than them found fewer): ``items`` then has fewer
@@ -169,6 +176,7 @@ class RecommendResult:
     decode_ms: float = 0.0
     complete: bool = True
     catalog_version: int = 1
+    catalog: str = DEFAULT_CATALOG
 
 
 class PendingResults(Protocol):
@@ -204,6 +212,7 @@ class RecommendationEngine(Protocol):
         exclude_item_ids: Any,
         allow_item_ids: Any = None,
         item_filter: Any = None,
+        catalog: str | None = None,
     ) -> PendingResults:
         """Launch a batch (``xgr.Engine.recommend_async``'s arguments)."""
         ...

@@ -303,7 +303,7 @@ def test_packed_prefill_graphs_read_their_staged_offsets_on_the_cpu(model_dirs, 
         got = run(engine, prompts, graphs)
         assert torch.equal(got.sid_index, want.sid_index), lens
         torch.testing.assert_close(got.scores, want.scores, atol=1e-4, rtol=1e-4)
-    assert any(isinstance(key, PrefillShape) and key.slots == 4 for key in graphs.cache.keys())
+    assert any(isinstance(key, PrefillShape) and key.slots == 4 for key in graphs.keys())
 
 
 def test_a_limit_change_rebuilds_the_staging_once_even_for_eager_prefills(model_dirs, monkeypatch):

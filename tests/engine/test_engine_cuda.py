@@ -150,7 +150,7 @@ def test_a_single_request_runs_level_one_in_its_prefill_graph_without_host_sync(
     prompt = list(range(8, 75))
     engine.recommend([prompt], beam_width=16, top_k=8, num_results=5)  # capture first
     graphs, spec = engine.graphs, engine.decode_spec
-    keys = graphs.cache.keys()  # prefill and decode: level 1 in the prefill
+    keys = graphs.keys()  # prefill and decode: level 1 in the prefill
     assert [type(k) for k in keys] == [PrefillShape, DecodeGraphKey]
     assert keys[0].code_rows == 16 and keys[1].first_levels_together
     torch.cuda.synchronize()
@@ -180,7 +180,7 @@ def test_single_requests_with_level_one_in_the_prefill_graph_equal_eager(model_d
             np.testing.assert_allclose(
                 [s for _, s in a.semantic_ids], [s for _, s in b.semantic_ids], atol=1e-5
             )
-    decode_keys = [k for k in graphed.graphs.cache.keys() if hasattr(k, "first_levels_together")]
+    decode_keys = [k for k in graphed.graphs.keys() if hasattr(k, "first_levels_together")]
     assert {k.first_levels_together for k in decode_keys} == {True, False}
 
 

@@ -214,11 +214,12 @@ def test_metrics_move_with_traffic(client, engine):
             == 200
         )
     after = metric_values(client)
-    label = (("model_name", engine.name),)
-    success = ("xgr:request_success_total", (("finished_reason", "length"), *label))
+    model = (("model_name", engine.name),)
+    label = (("catalog", "default"), *model)  # request metrics name the catalog searched
+    success = ("xgr:request_success_total", (label[0], ("finished_reason", "length"), *model))
     assert after[success] - before.get(success, 0) == 3
     count = ("xgr:e2e_request_latency_seconds_count", label)
-    assert after[count] - before[count] == 3
+    assert after[count] - before.get(count, 0) == 3
     for name in (
         "request_queue_time_seconds",
         "request_prefill_time_seconds",
@@ -227,13 +228,11 @@ def test_metrics_move_with_traffic(client, engine):
         "batch_size",
     ):
         assert after[(f"xgr:{name}_count", label)] >= 3
-    assert ("xgr:num_requests_running", label) in after
-    assert ("xgr:num_requests_waiting", label) in after
-    assert (
-        after[("xgr:request_prompt_tokens_sum", label)]
-        - before[("xgr:request_prompt_tokens_sum", label)]
-        == 3 * 4
-    )
+    assert ("xgr:num_requests_running", model) in after
+    assert ("xgr:num_requests_waiting", model) in after
+    assert after[("xgr:catalog_version", label)] == 1
+    tokens = ("xgr:request_prompt_tokens_sum", label)
+    assert after[tokens] - before.get(tokens, 0) == 3 * 4
 
 
 @pytest.mark.parametrize(
@@ -333,7 +332,7 @@ def test_empty_request_id_is_echoed(client):
 
 def test_the_warm_up_batch_is_not_in_the_metrics(engine):
     with TestClient(create_app(engine, ServerConfig(max_beam_width=128))) as fresh:
-        label = (("model_name", engine.name),)
+        label = (("catalog", "default"), ("model_name", engine.name))
         assert metric_values(fresh).get(("xgr:batch_size_count", label), 0) == 0
         body = {"history": ["item3"], "beam_width": 8, "num_results": 2}
         assert fresh.post("/v1/recommend", json=body).status_code == 200

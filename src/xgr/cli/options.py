@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from xgr.core import XgrError
+from xgr.core import CATALOG_NAME, DEFAULT_CATALOG, XgrError
 from xgr.demo.config import ARCHITECTURES, DEFAULT_ARCH
 
 DEFAULT_CACHE = Path("~/.cache/xgr/demo")
@@ -86,17 +86,19 @@ class ModelSource:
     """Where a command's model comes from: the options every model-loading command takes.
 
     ``archs`` are the demo architectures asked for (``--arch``, repeatable; empty: the
-    default, qwen2); only ``eval`` takes several, through ``per_arch``.
+    default, qwen2); only ``eval`` takes several, through ``per_arch``. ``catalog_paths``
+    and ``attributes_paths`` are (name, file) pairs (``--catalog [NAME=]FILE``, repeatable;
+    name None: the one catalog given, or the first).
     """
 
     demo: bool
     model_dir: Path | None
-    catalog_path: Path | None
+    catalog_paths: tuple[tuple[str | None, Path], ...]
     dtype: str
     device: str
     cache_dir: Path
     archs: tuple[str, ...] = ()
-    attributes_path: Path | None = None
+    attributes_paths: tuple[tuple[str | None, Path], ...] = ()
 
     def __post_init__(self) -> None:
         if self.archs and not self.demo:
@@ -125,7 +127,8 @@ class ModelSource:
         ``--catalog``."""
         if self.demo:
             return [self.cache_dir.expanduser()]
-        return [p for p in (self.model_dir, self.catalog_path) if p is not None]
+        folder = [self.model_dir] if self.model_dir is not None else []
+        return folder + [path for _, path in self.catalog_paths]
 
     def folder(self) -> Path:
         """The model folder (building the demo of ``arch`` on first use)."""
@@ -141,14 +144,14 @@ class ModelSource:
             fail(exc)
 
     def catalog(self):
-        """The catalog alone (``--catalog``, else the model folder's), without the model."""
+        """The (first) catalog alone (``--catalog``, else the model folder's), without the
+        model."""
         from xgr import ItemCatalog
         from xgr.engine.model_folder import DEFAULT_CATALOG_FILE
 
+        first = self.catalog_paths[0][1] if self.catalog_paths else None
         try:
-            return ItemCatalog.from_index_json(
-                self.catalog_path or self.folder() / DEFAULT_CATALOG_FILE
-            )
+            return ItemCatalog.from_index_json(first or self.folder() / DEFAULT_CATALOG_FILE)
         except XgrError as exc:
             fail(exc)
 
@@ -159,15 +162,43 @@ class ModelSource:
 
         folder = self.folder()
         try:
-            catalog = ItemCatalog.from_index_json(self.catalog_path) if self.catalog_path else None
+            catalog = None
+            if self.catalog_paths:
+                catalog = {
+                    name or DEFAULT_CATALOG: ItemCatalog.from_index_json(path)
+                    for name, path in self.catalog_paths
+                }
             engine = Engine.from_pretrained(
                 folder, catalog=catalog, device=self.device, dtype=self.dtype, **options
             )
-            if self.attributes_path is not None:
-                engine.catalog.load_attributes(self.attributes_path)
+            for name, path in self.attributes_paths:
+                engine.served_catalog(name).catalog.load_attributes(path)
             return engine
         except XgrError as exc:
             fail(exc)
+
+
+def named_files(values: tuple[str, ...], option: str) -> tuple[tuple[str | None, Path], ...]:
+    """``[NAME=]FILE`` option values as (name, path) pairs: a value is NAME=FILE where the
+    text before its first '=' is a catalog name (letters, digits, '_', '.', '-'), else a
+    file.
+
+    Raises:
+        click.UsageError: several values and one without a name, or a name given twice.
+    """
+    pairs = []
+    for value in values:
+        name, sep, rest = value.partition("=")
+        if sep and rest and CATALOG_NAME.fullmatch(name):
+            pairs.append((name, Path(rest)))
+        else:
+            pairs.append((None, Path(value)))
+    if len(pairs) > 1 and any(name is None for name, _ in pairs):
+        raise click.UsageError(f"{option}: given several times, each must be NAME=FILE")
+    names = [name for name, _ in pairs]
+    if len(set(names)) != len(names):
+        raise click.UsageError(f"{option}: a catalog name is given twice")
+    return tuple(pairs)
 
 
 def engine_options(func=None, *, demo_only: bool = False):
@@ -180,12 +211,18 @@ def engine_options(func=None, *, demo_only: bool = False):
 
     @functools.wraps(func)
     def command(
-        demo, dtype, device, cache_dir, archs, model_dir=None, catalog_path=None,
-        attributes_path=None, **kw,
+        demo, dtype, device, cache_dir, archs, model_dir=None, catalog_paths=(),
+        attributes_paths=(), **kw,
     ):  # fmt: skip
-        source = ModelSource(
-            demo, model_dir, catalog_path, dtype, device, cache_dir, archs, attributes_path
-        )
+        catalogs = named_files(catalog_paths, "--catalog")
+        attributes = named_files(attributes_paths, "--attributes")
+        names = [name for name, _ in catalogs]
+        for name, path in attributes:
+            if name is not None and name not in names:
+                raise click.UsageError(f"--attributes {name}={path}: no --catalog {name}=FILE")
+            if not path.is_file():
+                raise click.UsageError(f"--attributes: {path} is not a file")
+        source = ModelSource(demo, model_dir, catalogs, dtype, device, cache_dir, archs, attributes)
         return func(source=source, **kw)
 
     arch_help = (
@@ -216,16 +253,21 @@ def engine_options(func=None, *, demo_only: bool = False):
             ),
             click.option(
                 "--catalog",
-                "catalog_path",
-                type=click.Path(dir_okay=False, path_type=Path),
-                help="Catalog index JSON (default: the model folder's catalog.index.json).",
+                "catalog_paths",
+                multiple=True,
+                metavar="[NAME=]FILE",
+                help="Catalog index JSON (default: the model folder's catalog.index.json). "
+                "Repeat it as NAME=FILE to serve several catalogs with the model, the first "
+                "the default; requests pick one by name.",
             ),
             click.option(
                 "--attributes",
-                "attributes_path",
-                type=click.Path(dir_okay=False, exists=True, path_type=Path),
+                "attributes_paths",
+                multiple=True,
+                metavar="[NAME=]FILE",
                 help="Item attributes for request filters: a CSV (header; item id first) or "
-                "JSON-lines table keyed by item id.",
+                "JSON-lines table keyed by item id; NAME=FILE for catalog NAME (default: the "
+                "first), repeatable.",
             ),
         ]
     options += [

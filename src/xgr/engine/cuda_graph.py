@@ -13,6 +13,9 @@ on a prefill whatever its length. Graphs replay the same work with no host invol
   decode forward and KV bookkeeping (``xgr.engine.search``); prompt lengths enter only
   through device tensors.
 
+Both are kept per catalog version's runner (a key is (runner, shape)), so batches of
+several catalogs alternate without capturing again.
+
 ``CudaGraphs.plan`` is the one place that decides graph or eager for a batch, and logs
 why a batch runs eagerly. A batch's host-built inputs reach the device in one copy, straight
 into a staging buffer whose views are the graphs' static inputs
@@ -85,7 +88,7 @@ class CudaGraphs:
         self.cache = GraphCache(max_graphs)
         self._prompt_kv = PromptKVPool(runner.model)
         self._staging: InputStaging | None = None
-        self._code_kv: BeamKV | None = None
+        self._code_kv: dict[ModelRunner, BeamKV | None] = {}  # by runner
         # Room in the staging buffer for given embeddings: the largest padded prefill with
         # them planned so far, as a power of two, and at least EMBED_TOKENS_FLOOR.
         self._embed_tokens = 0
@@ -99,6 +102,7 @@ class CudaGraphs:
         log: bool = True,
         filtered: bool = False,
         embedded: bool = False,
+        runner: ModelRunner | None = None,
     ) -> GraphPlan:
         """Which graphs a batch of prompts of these lengths (tokens) replays; with ``log``,
         a line says why a part runs eagerly (none for prefills the model never graphs, such
@@ -110,6 +114,7 @@ class CudaGraphs:
             filtered: some request of the batch has item rules (``DecodeGraphKey.filtered``).
             embedded: some prompt of the batch has given input embeddings
                 (``PrefillShape.embeds``).
+            runner: the batch's catalog version's runner (default: ``runner``).
         """
         num = len(prompt_lens)
         if num > self.max_requests:
@@ -121,7 +126,8 @@ class CudaGraphs:
                 )
             return GraphPlan(None, None)
         decode = DecodeGraphKey(num, beam_width, top_k, together, filtered)
-        shape = self.runner.prefill_shape(prompt_lens, self.max_requests, together)
+        runner = runner or self.runner
+        shape = runner.prefill_shape(prompt_lens, self.max_requests, together)
         if shape is None:
             return GraphPlan(None, decode)
         too_large = shape.padded_tokens > self.max_prefill_tokens
@@ -140,8 +146,11 @@ class CudaGraphs:
             self._embed_tokens = max(self._embed_tokens, min(room, self.max_prefill_tokens))
         return GraphPlan(shape, decode)
 
-    def needs_capture(self, plan: GraphPlan, prompt_lens: list[int]) -> bool:
-        """Whether running a batch so planned would capture a graph or grow the KV pool."""
+    def needs_capture(
+        self, plan: GraphPlan, prompt_lens: list[int], runner: ModelRunner | None = None
+    ) -> bool:
+        """Whether running a batch so planned, with ``runner`` (default: ``runner``), would
+        capture a graph or grow the KV pool."""
         if plan.decode is None:
             return False  # eager
         if self._staging_stale():
@@ -149,9 +158,10 @@ class CudaGraphs:
         tokens = plan.prefill.padded_tokens if plan.prefill else sum(prompt_lens)
         if tokens > self.pool_tokens:
             return True
-        if plan.prefill is not None and plan.prefill not in self.cache:
+        runner = runner or self.runner
+        if plan.prefill is not None and (runner, plan.prefill) not in self.cache:
             return True
-        return plan.decode not in self.cache
+        return (runner, plan.decode) not in self.cache
 
     def stage(
         self, prompts: Sequence[Sequence[int]], shape: PrefillShape, spans=None
@@ -186,22 +196,34 @@ class CudaGraphs:
             )  # fmt: skip
         return self._staging
 
-    def use_runner(self, runner: ModelRunner) -> None:
-        """Run from now on with ``runner`` (a new catalog version's): the graphs captured
-        with another runner, and level 1's K/V buffer, are dropped once the device is done
-        with them (the next batches capture again). Callers hold ``lock``."""
+    def use_runner(self, runner: ModelRunner, live: Sequence[ModelRunner] = ()) -> None:
+        """Run from now on with ``runner`` (a catalog version's). Graphs and level 1's K/V
+        buffer are kept per runner, so batches of several catalogs alternate without
+        capturing again; those of runners that are neither ``runner`` nor in ``live`` (the
+        versions still served) are dropped, once the device is done with them. Callers
+        hold ``lock``."""
         if runner is self.runner:
             return
-        weight = self.model.lm_head.weight
-        if weight.is_cuda:  # a launched batch may still replay the graphs
-            torch.cuda.synchronize(weight.device)
-        self.cache.clear()
+        keep = {id(r) for r in (runner, *live)}
+        stale = [key for key in self.cache.keys() if id(key[0]) not in keep]
+        retired = [r for r in self._code_kv if id(r) not in keep]
+        if stale or retired:
+            weight = self.model.lm_head.weight
+            if weight.is_cuda:  # a launched batch may still replay the graphs
+                torch.cuda.synchronize(weight.device)
+            self.cache.drop(stale)
+            for r in retired:
+                del self._code_kv[r]
         self.runner = runner
-        self._code_kv = None
 
     @property
     def pool_tokens(self) -> int:
         return self._prompt_kv.tokens
+
+    def keys(self) -> list:
+        """The prefill shapes and decode keys of the graphs held for the current runner,
+        least recently used first."""
+        return [key for runner, key in self.cache.keys() if runner is self.runner]
 
     @property
     def captures(self) -> int:
@@ -232,15 +254,16 @@ class CudaGraphs:
             torch.cuda.synchronize(self._prompt_kv.k.device)
         self.cache.clear()
         self._prompt_kv.release()
-        self._staging = self._code_kv = None
+        self._staging = None
+        self._code_kv.clear()
 
     def code_kv(self) -> BeamKV | None:
         """The K/V that level 1's rows of a single-request prefill write, graphed or eager,
         and that the decode graphs read: one buffer at one address, made once
         (``ModelRunner.allocate_code_kv``; None for a model whose prefill runs none)."""
-        if self._code_kv is None:
-            self._code_kv = self.runner.allocate_code_kv(1)
-        return self._code_kv
+        if self.runner not in self._code_kv:
+            self._code_kv[self.runner] = self.runner.allocate_code_kv(1)
+        return self._code_kv[self.runner]
 
     def replay_prefill(self, inputs: BatchInputs) -> Prefilled:
         """Prefill a batch from its shape's graph; writes the pool's KV.
@@ -261,7 +284,9 @@ class CudaGraphs:
             raise ValueError("replay_prefill needs inputs from this CudaGraphs' stage()")
         self.reserve(shape.padded_tokens)
         code_kv = self.code_kv() if shape.code_rows else None
-        entry = self.cache.replay(shape, lambda: self._build_prefill(shape, inputs, code_kv))
+        entry = self.cache.replay(
+            (self.runner, shape), lambda: self._build_prefill(shape, inputs, code_kv)
+        )
         return entry.outputs.narrow(inputs.num_requests)
 
     def _build_prefill(self, shape: PrefillShape, inputs: BatchInputs, code_kv):
@@ -319,7 +344,9 @@ class CudaGraphs:
             ValueError: level 1's K/V are not ``code_kv``'s, or the prefill's outputs do not
                 match those the graph was captured with.
         """
-        if prefilled.code_kv is not None and prefilled.code_kv is not self._code_kv:
+        if prefilled.code_kv is not None and prefilled.code_kv is not self._code_kv.get(
+            self.runner
+        ):
             raise ValueError("level 1's K/V must be this object's code_kv()")
         if key.filtered != (allowed is not None):
             raise ValueError("replay_decode needs the trie masks exactly when key.filtered")
@@ -359,4 +386,4 @@ class CudaGraphs:
                 if not _same_view(dst, src):  # an eagerly prefilled batch's, or the hidden
                     dst.copy_(src)
 
-        return self.cache.replay(key, build, fill).outputs
+        return self.cache.replay((self.runner, key), build, fill).outputs

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -38,6 +38,7 @@ from xgr.engine.prompt import (
 )
 from xgr.engine.prompt_embeds import checked_spans, prompt_parts
 from xgr.engine.results import PendingRecommendation, search_params
+from xgr.engine.served_catalog import ServedCatalog, named_catalogs
 from xgr.engine.spec import DecodeSpec
 from xgr.engine.warm_up import capture_lanes
 from xgr.kernels.backend import select_attention_backend
@@ -49,7 +50,6 @@ from xgr.models.sid_vocab import (
 logger = logging.getLogger(__name__)
 
 # Earlier catalog versions kept for rollbacks (each holds its trie on the device).
-MAX_EARLIER_VERSIONS = 4
 
 
 # What recommend takes as a prompt: token ids, text, or an ``xgr.Prompt`` with embeddings.
@@ -57,14 +57,16 @@ PromptLike = Sequence[int] | str | Prompt
 
 
 class Engine:
-    """Serves recommendations from one model and one catalog.
+    """Serves recommendations from one model and one or several catalogs.
 
     Args:
         model: the decoder-only LM or the T5 encoder-decoder, already on its device and
             dtype; projections that read one input are fused in place
             (``fuse_projections``). On CUDA a T5 model's encoder and its decoder levels
             replay CUDA graphs, with Triton kernels for cross- and self-attention.
-        catalog: the items served.
+        catalog: the items served; or name -> catalog for several (markets, tenants), each
+            with its own versions, device tables and rules, the first the default
+            (``catalogs``). One catalog is named ``DEFAULT_CATALOG``.
         sid_token_ids: (num_levels, codebook_size) int array, vocabulary id of each code.
         tokenizer: optional ``tokenizers.Tokenizer`` for string prompts.
         name: model name reported by the server.
@@ -103,7 +105,7 @@ class Engine:
     def __init__(
         self,
         model: CausalLM | T5Seq2SeqLM,
-        catalog: ItemCatalog,
+        catalog: ItemCatalog | Mapping[str, ItemCatalog],
         sid_token_ids: Any,
         tokenizer: Any = None,
         name: str = "xgr-model",
@@ -133,15 +135,18 @@ class Engine:
         self.chat_template = chat_template
         self.training_record = training_record
         self.device = model.lm_head.weight.device
-        table = validate_sid_token_ids(sid_token_ids, catalog, model.config.vocab_size)
-        self.sid_token_ids = torch.from_numpy(table).to(self.device)
-        self._sid_token_ids_host = table
+        catalogs = named_catalogs(catalog)
+        first = next(iter(catalogs.values()))
+        validate_sid_token_ids(sid_token_ids, first, model.config.vocab_size)
+        # One code map for every catalog and version, each checked against it as built.
+        self._sid_token_ids_host = np.asarray(sid_token_ids).astype(np.int64)
         self.attention_backend = select_attention_backend(self.device, model.shared_kv_layout[2])
         self._version_options = (full_vocab, self.attention_backend, first_levels_together)
-        self._current = self._build_version(1, catalog)
-        self._earlier: list[CatalogVersion] = []  # the versions a rollback returns to
-        self._last_version = 1
-        self._updating = threading.Lock()  # one update at a time
+        self._catalogs = {
+            name: ServedCatalog(name, self._build_version(1, items))
+            for name, items in catalogs.items()
+        }
+        self.default_catalog = next(iter(self._catalogs))
         cuda_streams = positive_int("cuda_streams", cuda_streams)
         pipeline_depth = positive_int("pipeline_depth", pipeline_depth)
         self._lanes = Lanes(self.runner, self.device, cuda_streams, pipeline_depth, cuda_graphs)
@@ -149,14 +154,14 @@ class Engine:
             raise XgrError(
                 f"the model's prompt limit ({self.runner.prompt_limit}) is "
                 f"{self.max_prompt_tokens}: it leaves no room for a prompt and "
-                f"{catalog.num_levels} generated codes"
+                f"{first.num_levels} generated codes"
             )
 
     @classmethod
     def from_pretrained(
         cls,
         model_dir: str | Path,
-        catalog: ItemCatalog | None = None,
+        catalog: ItemCatalog | Mapping[str, ItemCatalog] | None = None,
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype = "float32",
         sid_token_ids: Any = None,
@@ -167,7 +172,9 @@ class Engine:
         Args:
             model_dir: HF folder with config.json and safetensors weights (single or sharded)
                 of a Qwen2, Qwen3, Llama or T5 model (by config.json's ``model_type``).
-            catalog: the catalog; default ``<model_dir>/catalog.index.json``.
+            catalog: the catalog, or name -> catalog (``Engine``); default
+                ``<model_dir>/catalog.index.json``. Each is checked against the folder's
+                record of the catalog the model was trained with.
             device: "cpu" (the torch reference path) or "cuda" (Triton decode attention).
             dtype: "float32", "bfloat16" or "float16".
             sid_token_ids: (num_levels, codebook_size) code -> token id map; default found
@@ -185,13 +192,37 @@ class Engine:
         )  # fmt: skip
 
     @property
+    def catalogs(self) -> Mapping[str, ServedCatalog]:
+        """The served catalogs by name, the default first (read-only)."""
+        return MappingProxyType(self._catalogs)
+
+    def served_catalog(self, name: str | None = None) -> ServedCatalog:
+        """The catalog named ``name`` (None: the default).
+
+        Raises:
+            XgrError: no catalog of that name is served (the names listed).
+        """
+        if name is None:
+            return self._catalogs[self.default_catalog]
+        served = self._catalogs.get(name) if isinstance(name, str) else None
+        if served is None:
+            raise XgrError(
+                f"no catalog named {str(name)[:64]!r}; this engine serves {list(self._catalogs)}"
+            )
+        return served
+
+    @property
+    def _current(self) -> CatalogVersion:
+        return self._catalogs[self.default_catalog].current
+
+    @property
     def catalog(self) -> ItemCatalog:
-        """The served catalog (its current version)."""
+        """The default catalog (its current version)."""
         return self._current.catalog
 
     @property
     def catalog_version(self) -> int:
-        """The current catalog version's number (1 at start; ``update_catalog``)."""
+        """The default catalog's current version number (1 at start; ``update_catalog``)."""
         return self._current.version
 
     @property
@@ -200,12 +231,12 @@ class Engine:
 
     @property
     def runner(self):
-        """The model family's runner over the current catalog (``xgr.runner``)."""
+        """The model family's runner over the default catalog (``xgr.runner``)."""
         return self._current.spec.runner
 
     @property
     def trie(self):
-        """The current catalog's trie on the model's device."""
+        """The default catalog's trie on the model's device."""
         return self._current.spec.trie
 
     @property
@@ -216,11 +247,21 @@ class Engine:
     def title_index(self) -> TitleIndex:
         return self._current.title_index
 
+    @property
+    def sid_token_ids(self) -> torch.Tensor:
+        """(num_levels, codebook_size) int64 vocabulary id of each code, on the model's
+        device, as the default catalog's search reads it (-1: a code it cannot use)."""
+        return self._current.spec.scorer.sid_token_ids
+
     def _build_version(self, number: int, catalog: ItemCatalog) -> CatalogVersion:
+        """A catalog version's tables, its code map checked against it."""
+        table = validate_sid_token_ids(
+            self._sid_token_ids_host, catalog, self.model.config.vocab_size
+        )
         full_vocab, backend, together = self._version_options
         return CatalogVersion.build(
-            number, catalog, self.model, self.sid_token_ids, self.titles, full_vocab, backend,
-            together,
+            number, catalog, self.model, torch.from_numpy(table).to(self.device), self.titles,
+            full_vocab, backend, together,
         )  # fmt: skip
 
     def update_catalog(
@@ -229,8 +270,9 @@ class Engine:
         remove: Sequence[str] | None = None,
         set_attributes: dict[str, dict[str, Any]] | None = None,
         replace: ItemCatalog | None = None,
+        catalog: str | None = None,
     ) -> int:
-        """Serve a new version of the catalog: items added (item id -> semantic ID, as code
+        """Serve a new version of a catalog: items added (item id -> semantic ID, as code
         tokens ``["<a_1>", "<b_2>", "<c_3>"]`` or ints), removed, attributes set, or the
         whole catalog replaced (``xgr.catalog.updates.CatalogUpdate``).
 
@@ -238,56 +280,54 @@ class Engine:
         after this returns use it, batches launched before finish on theirs, and no batch
         mixes versions (each result names its ``catalog_version``). Thread-safe.
 
+        Args:
+            catalog: the catalog's name (None: the default).
+
         Returns:
             The new version's number.
 
         Raises:
-            XgrError: a malformed update, or a catalog the model was not trained for (an
-                item of the training catalog, or of the current one without a training
-                record, with another semantic ID; other levels or codebook); nothing changes.
+            XgrError: an unknown catalog, a malformed update, or a catalog the model was
+                not trained for (an item of the training catalog, or of the current one
+                without a training record, with another semantic ID; other levels or
+                codebook); nothing changes.
         """
-        with self._updating:
-            current = self._current
-            update = CatalogUpdate(add, remove, set_attributes, replace)
-            catalog = apply_update(current.catalog, update)
+        served = self.served_catalog(catalog)
+        update = CatalogUpdate(add, remove, set_attributes, replace)
+
+        def build(current: CatalogVersion, number: int) -> CatalogVersion:
+            items = apply_update(current.catalog, update)
             # Kept items keep their codes: only added ones (or a whole replacement) can move.
             only = None if replace is not None else [str(i) for i in add or {}]
             if self.training_record is not None:
-                catalog.check_compatible(self.training_record, "the model", only)
+                items.check_compatible(self.training_record, "the model", only)
             else:
-                catalog.check_compatible(
+                items.check_compatible(
                     _record_of(current.catalog, only), "the catalog it replaces", only
                 )
-            validate_sid_token_ids(self._sid_token_ids_host, catalog, self.model.config.vocab_size)
-            self._last_version += 1
-            version = self._build_version(self._last_version, catalog)
-            self._earlier.append(current)
-            del self._earlier[:-MAX_EARLIER_VERSIONS]
-            self._current = version  # one reference: a launch reads the old or the new
-            logger.info(
-                "catalog version %d: %d items, %d semantic IDs",
-                version.version, len(catalog), catalog.num_semantic_ids,
-            )  # fmt: skip
-            return version.version
+            return self._build_version(number, items)
 
-    def rollback_catalog(self) -> int:
-        """Serve the version before the current one again (its number and tables).
+        version = served.publish(build)
+        logger.info(
+            "catalog %r version %d: %d items, %d semantic IDs",
+            served.name, version.version, len(version.catalog), version.catalog.num_semantic_ids,
+        )  # fmt: skip
+        return version.version
+
+    def rollback_catalog(self, catalog: str | None = None) -> int:
+        """Serve the version of a catalog (None: the default) before its current one again
+        (its number and tables).
 
         Returns:
             The version now served.
 
         Raises:
-            XgrError: no earlier version is kept.
+            XgrError: an unknown catalog, or no earlier version is kept.
         """
-        with self._updating:
-            if not self._earlier:
-                raise XgrError(
-                    f"no earlier catalog version to roll back to (version {self.catalog_version} "
-                    "is the first kept)"
-                )
-            self._current = self._earlier.pop()
-            logger.info("catalog rolled back to version %d", self._current.version)
-            return self._current.version
+        served = self.served_catalog(catalog)
+        version = served.rollback()
+        logger.info("catalog %r rolled back to version %d", served.name, version.version)
+        return version.version
 
     @property
     def max_in_flight(self) -> int:
@@ -321,19 +361,23 @@ class Engine:
         """
         return self.runner.max_prompt_tokens
 
-    def history_prompt(self, history: Sequence[Any], truncate: bool = False) -> list[int]:
+    def history_prompt(
+        self, history: Sequence[Any], truncate: bool = False, catalog: str | None = None
+    ) -> list[int]:
         """The prompt (token ids) for a history of item ids, oldest first.
 
         Args:
             history: item ids of the catalog.
             truncate: drop the oldest items until the prompt fits the model; without it a
                 prompt that is too long raises at ``recommend``.
+            catalog: the catalog's name (None: the default).
 
         Raises:
-            XgrError: empty history or unknown item ids.
+            XgrError: empty history, unknown item ids or an unknown catalog.
         """
         limit = self.max_prompt_tokens if truncate else None
-        return self.prompt_format.build(history, self.catalog, self._sid_token_ids_host, limit)
+        items = self.served_catalog(catalog).current.catalog
+        return self.prompt_format.build(history, items, self._sid_token_ids_host, limit)
 
     def tokenize(self, prompt: Sequence[int] | str) -> list[int]:
         """A prompt as token ids, validated. Raises XgrError for an unusable prompt."""
@@ -411,6 +455,7 @@ class Engine:
         exclude_item_ids: Sequence[Iterable[Any] | None] | None = None,
         allow_item_ids: Sequence[Iterable[Any] | None] | None = None,
         item_filter: Sequence[dict | None] | None = None,
+        catalog: str | None = None,
     ) -> list[RecommendResult]:
         """Recommend items for each prompt, within each prompt's item rules.
 
@@ -426,6 +471,8 @@ class Engine:
             allow_item_ids: per prompt (or None), the only item ids that may be returned.
             item_filter: per prompt (or None), conditions on the catalog's item attributes
                 (``ItemCatalog.load_attributes``; grammar in ``xgr.catalog.attributes``).
+            catalog: the name of the catalog to recommend from (None: the default;
+                ``catalogs``).
 
         The rules apply inside the search: a semantic ID is a candidate when one of its
         items passes, a prefix when a semantic ID below it is, so the results are those of
@@ -438,13 +485,14 @@ class Engine:
         Raises:
             XgrError: bad search parameters, prompts (empty, out-of-vocab ids) or rules
                 (not one entry per prompt; an unknown attribute, operator or a value of the
-                wrong type in a filter).
+                wrong type in a filter), or an unknown catalog.
             PromptTooLongError: a prompt longer than ``max_prompt_tokens``.
             ModelOutputError: the model gave no finite score for a prompt.
         """
         return self.recommend_async(
-            prompts, beam_width, top_k, num_results, exclude_item_ids, allow_item_ids, item_filter
-        ).result()
+            prompts, beam_width, top_k, num_results, exclude_item_ids, allow_item_ids,
+            item_filter, catalog,
+        ).result()  # fmt: skip
 
     def recommend_async(
         self,
@@ -455,6 +503,7 @@ class Engine:
         exclude_item_ids: Sequence[Iterable[Any] | None] | None = None,
         allow_item_ids: Sequence[Iterable[Any] | None] | None = None,
         item_filter: Sequence[dict | None] | None = None,
+        catalog: str | None = None,
     ) -> PendingRecommendation:
         """``recommend``, returning once the batch's device work is queued (on CUDA; on the
         CPU once it is done). Arguments and input errors as ``recommend``; blocks while
@@ -467,7 +516,8 @@ class Engine:
         if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence):
             raise XgrError("prompts must be a list of prompts")
         search, params = search_params(len(prompts), beam_width, top_k, num_results)
-        version = self._current  # the batch's catalog version, from launch to result
+        served = self.served_catalog(catalog)
+        version = served.current  # the batch's catalog version, from launch to result
         parts = each_prompt(prompts, self.prompt_input)
         tokenized = [tokens for tokens, _ in parts]
         spans = [s for _, s in parts] if any(s for _, s in parts) else None
@@ -477,8 +527,9 @@ class Engine:
         dtype = self.model.lm_head.weight.dtype
         if not tokenized:
             return PendingRecommendation(
-                None, None, [], [], [], version.catalog, self.titles, dtype, version.version
-            )
+                None, None, [], [], [], version.catalog, self.titles, dtype, version.version,
+                served.name,
+            )  # fmt: skip
         hold = self._lanes.take()
         try:
             pending = self._launch(hold.lane, version, tokenized, search, rules, spans)
@@ -491,7 +542,7 @@ class Engine:
             hold.watch(pending.done)
         return PendingRecommendation(
             pending, hold, tokenized, params, rules, version.catalog, self.titles, dtype,
-            version.version,
+            version.version, served.name,
         )  # fmt: skip
 
     def _launch(
@@ -512,22 +563,31 @@ class Engine:
         filtered = any(r.active for r in rules)
         lens = [len(t) for t in tokenized]
 
-        plans = {}  # by the graphs' runner, which makes the prefill shape: planned once
+        runner = spec.runner
+        plans = []  # planned once, by whichever of needs_capture and launch asks first
 
         def plan():
-            if graphs.runner not in plans:
-                together = spec.runner.first_levels_together(len(tokenized), width)
-                plans[graphs.runner] = graphs.plan(
-                    lens, width, top_k, together, filtered=filtered, embedded=spans is not None
+            if not plans:
+                together = runner.first_levels_together(len(tokenized), width)
+                plans.append(
+                    graphs.plan(
+                        lens,
+                        width,
+                        top_k,
+                        together,
+                        filtered=filtered,
+                        embedded=spans is not None,
+                        runner=runner,
+                    )  # fmt: skip
                 )
-            return plans[graphs.runner]
+            return plans[0]
 
         def launch():
             masks = functools.partial(version.masks.masks, rules) if filtered else None
             if graphs is None:
                 return launch_semantic_ids(spec, tokenized, width, top_k, None, EAGER, masks, spans)
             with graphs.lock:
-                graphs.use_runner(spec.runner)
+                graphs.use_runner(runner, self._served_runners())
                 return launch_semantic_ids(
                     spec, tokenized, width, top_k, graphs, plan(), masks, spans
                 )
@@ -535,9 +595,13 @@ class Engine:
         def needs_capture() -> bool:
             if graphs is None:
                 return False
-            return graphs.runner is not spec.runner or graphs.needs_capture(plan(), lens)
+            return graphs.needs_capture(plan(), lens, runner)
 
         return self._lanes.run(lane, launch, needs_capture)
+
+    def _served_runners(self) -> list:
+        """The runners of the catalogs' current versions (whose graphs a lane keeps)."""
+        return [served.current.spec.runner for served in self._catalogs.values()]
 
     def warm_up(
         self,
@@ -547,7 +611,8 @@ class Engine:
         max_batch_size: int,
         spread: float = 0.2,
     ) -> int:
-        """Capture, on every lane, the CUDA graphs that batches of such requests replay.
+        """Capture, on every lane and for every catalog, the CUDA graphs that batches of
+        such requests replay.
 
         Under load the first batch of each shape would otherwise pay for its capture (a
         warm-up forward plus the capture itself, tens to hundreds of ms) and miss its
@@ -582,11 +647,15 @@ class Engine:
         longest = min(int(prompt_tokens * (1 + spread)), self.max_prompt_tokens)
         shortest = max(1, int(prompt_tokens * (1 - spread)))
         batches = (shortest, longest, max_batch_size)
-        spec = self.decode_spec
-        for lane in self._lanes.lanes:
-            with lane.graphs.lock:
-                lane.graphs.use_runner(spec.runner)
-        return capture_lanes(spec, self._lanes.lanes, batches, beam_width, top_k)
+        captured = 0
+        live = self._served_runners()
+        for served in self._catalogs.values():
+            spec = served.current.spec
+            for lane in self._lanes.lanes:
+                with lane.graphs.lock:
+                    lane.graphs.use_runner(spec.runner, live)
+            captured += capture_lanes(spec, self._lanes.lanes, batches, beam_width, top_k)
+        return captured
 
 
 def _record_of(catalog: ItemCatalog, items: list[str] | None) -> dict:

@@ -57,6 +57,13 @@ class GraphCache:
         # capture into a released pool (an internal assert): take a fresh one.
         self._mempool = None
 
+    def drop(self, keys: Sequence[Hashable]) -> None:
+        """Drop these keys' graphs (the device done with them)."""
+        for key in keys:
+            self._graphs.pop(key, None)
+        if not self._graphs:
+            self._mempool = None  # as ``clear``: a released pool takes no new capture
+
     def replay(
         self,
         key: Hashable,

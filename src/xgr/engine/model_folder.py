@@ -14,6 +14,7 @@ from safetensors import SafetensorError
 
 from xgr.catalog import CATALOG_METADATA_FILE, ItemCatalog
 from xgr.core import XgrError, read_json
+from xgr.engine.served_catalog import named_catalogs
 
 logger = logging.getLogger(__name__)
 
@@ -149,14 +150,20 @@ def _load(model_dir, catalog, device, dtype, sid_token_ids) -> dict[str, Any]:
         if not path.exists():
             raise XgrError(f"no catalog given and {path} does not exist")
         catalog = ItemCatalog.from_index_json(path)
-    meta = check_catalog_compatible(model_dir, catalog)
+    catalogs = named_catalogs(catalog)
+    for name, items in catalogs.items():
+        try:
+            meta = check_catalog_compatible(model_dir, items)
+        except XgrError as exc:
+            raise XgrError(f"catalog {name!r}: {exc}" if len(catalogs) > 1 else str(exc)) from None
     model = load_model(model_dir, device, dtype)
-    if sid_token_ids is None:
-        sid_token_ids = sid_token_ids_from_tokenizer(model_dir, catalog)
+    if sid_token_ids is None:  # found by the codes' names: for the widest codebook
+        widest = max(catalogs.values(), key=lambda c: c.codebook_size)
+        sid_token_ids = sid_token_ids_from_tokenizer(model_dir, widest)
     check_code_map(meta, sid_token_ids, model_dir / CATALOG_METADATA_FILE)
     return {
         "model": model,
-        "catalog": catalog,
+        "catalog": catalogs,
         "sid_token_ids": sid_token_ids,
         "tokenizer": load_tokenizer(model_dir),
         "name": model_dir.name,

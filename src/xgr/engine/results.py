@@ -12,7 +12,14 @@ import torch
 
 from xgr.catalog import ItemCatalog
 from xgr.catalog.rules import NO_RULES, ItemRules
-from xgr.core import ModelOutputError, Recommendation, RecommendResult, SearchParams, XgrError
+from xgr.core import (
+    DEFAULT_CATALOG,
+    ModelOutputError,
+    Recommendation,
+    RecommendResult,
+    SearchParams,
+    XgrError,
+)
 from xgr.engine.generate import PendingGeneration
 from xgr.engine.lanes import LaneHold
 
@@ -35,15 +42,17 @@ class PendingRecommendation:
         titles: dict[str, str],
         dtype: torch.dtype,
         catalog_version: int = 1,
+        catalog_name: str = DEFAULT_CATALOG,
     ) -> None:
         """``pending``: the launched batch (None: no prompts); ``hold``: its lane, released
         once the device is done (None: nothing held); ``dtype``: the model's, named in a
-        broken model's error; the rest as ``build_result`` takes them, one entry per
+        broken model's error; ``catalog_version`` and ``catalog_name``: the searched
+        catalog's, copied into each result; the rest as ``build_result`` takes them, one entry per
         prompt."""
         self._pending, self._hold, self._tokenized = pending, hold, tokenized
         self._params, self._rules = params, rules
         self._catalog, self._titles, self._dtype = catalog, titles, dtype
-        self._catalog_version = catalog_version
+        self._catalog_version, self._catalog_name = catalog_version, catalog_name
         self._results: list[RecommendResult] | None = [] if pending is None else None
         self._error: BaseException | None = None
         self._collecting = threading.Lock()  # one collect, whichever threads ask
@@ -104,6 +113,7 @@ class PendingRecommendation:
             )
             result.prompt_tokens = len(tokens)
             result.catalog_version = self._catalog_version
+            result.catalog = self._catalog_name
             result.prefill_ms, result.decode_ms = out.prefill_ms, out.decode_ms
             results.append(result)
         return results

@@ -71,7 +71,8 @@ def form_batch(
 ) -> tuple[list[QueuedRequest], int]:
     """The next batch of a non-empty queue (``xgr.scheduler.batcher``'s module docstring).
 
-    The first request and, in queue order, the later ones with its beam width and top-k, within
+    The first request and, in queue order, the later ones with its beam width, top-k and
+    catalog (``QueuedRequest.batch_key``), within
     ``max_batch_size`` requests and ``max_batch_tokens`` scheduled tokens (a later request
     never jumps one that does not fit); then the newest leave it while its predicted run,
     starting at ``start`` (perf_counter s), would miss its earliest deadline or exceed
@@ -80,12 +81,12 @@ def form_batch(
     Returns:
         the batch, oldest first, and its scheduled tokens (``cost`` summed).
     """
-    key = (queue[0].beam_width, queue[0].top_k)
+    key = queue[0].batch_key
     batch, tokens = [], 0
     for request in queue:
         if len(batch) == max_batch_size:
             break
-        if (request.beam_width, request.top_k) != key:
+        if request.batch_key != key:
             continue
         if batch and tokens + cost(request) > max_batch_tokens:
             break  # first in, first served: no later request jumps ahead

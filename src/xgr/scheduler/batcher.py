@@ -380,7 +380,7 @@ class RequestBatcher:
         leave the scheduler one lane short for good.
         """
         try:
-            await self._run(batch, batch[0].beam_width, batch[0].top_k)
+            await self._run(batch)
         except Exception as exc:
             for request in batch:
                 if not request.future.done():
@@ -398,19 +398,17 @@ class RequestBatcher:
                 self._progress.set()
             self._report_load()
 
-    async def _run(self, group: list[QueuedRequest], beam_width: int, top_k: int) -> None:
+    async def _run(self, group: list[QueuedRequest]) -> None:
         live = [r for r in group if not r.future.done()]  # the client may have gone
         if not live:
             return
         started = time.perf_counter()
         self._report_load()
-        recorded = [r for r in live if r.recorded]
-        if self.metrics and recorded:  # the server's own warm-up batch is not traffic
-            self.metrics.observe_batch(len(recorded))
         args = ([r.prompt for r in live],)
         kwargs = dict(
-            beam_width=beam_width,
-            top_k=top_k,
+            beam_width=group[0].beam_width,
+            top_k=group[0].top_k,
+            catalog=group[0].catalog,
             num_results=[r.num_results for r in live],
             exclude_item_ids=[r.exclude for r in live],
             allow_item_ids=[r.allow for r in live],
@@ -438,6 +436,9 @@ class RequestBatcher:
         finished = time.perf_counter()
         if not isinstance(results, list) or len(results) != len(live):
             raise XgrError(f"expected {len(live)} results, got {type(results).__name__}")
+        recorded = [r for r in live if r.recorded]
+        if self.metrics and recorded and results:  # the server's warm-up batch is not traffic
+            self.metrics.observe_batch(len(recorded), results[0].catalog)
         device = (results[0].prefill_ms + results[0].decode_ms) / 1e3 if results else None
         ran = self._timeline.run_seconds(started, finished, device)
         if any(r.recorded for r in live):  # the warm-up request's compile time is no measure

@@ -1,8 +1,10 @@
 """Serving metrics in Prometheus format (prometheus-client), named as vLLM names them.
 
 Every metric carries a ``model_name`` label and the ``xgr:`` prefix, e.g.
-``xgr:e2e_request_latency_seconds``; the success counter is exposed as
-``xgr:request_success_total{finished_reason=...}``.
+``xgr:e2e_request_latency_seconds``; those of requests and batches a ``catalog`` label too
+(the catalog searched), and the success counter is exposed as
+``xgr:request_success_total{finished_reason=...}``. ``xgr:catalog_version`` is each
+catalog's current version.
 """
 
 from __future__ import annotations
@@ -55,29 +57,31 @@ class ServingMetrics:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         labels = ["model_name"]
+        by_catalog = ["model_name", "catalog"]
         reg = self.registry
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(f"xgr:{name}", doc, labels, buckets=buckets, registry=reg)
+            return Histogram(f"xgr:{name}", doc, by_catalog, buckets=buckets, registry=reg)
 
         self._e2e = histogram(
             "e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS
-        ).labels(model_name)
+        )
         self._queue = histogram(
             "request_queue_time_seconds", "Time waiting for a batch.", LATENCY_BUCKETS
-        ).labels(model_name)
+        )
         self._prefill = histogram(
             "request_prefill_time_seconds", "Prefill time of the batch.", LATENCY_BUCKETS
-        ).labels(model_name)
+        )
         self._decode = histogram(
             "request_decode_time_seconds", "Decode time of the batch.", LATENCY_BUCKETS
-        ).labels(model_name)
+        )
         self._prompt_tokens = histogram(
             "request_prompt_tokens", "Prompt length (tokens).", TOKEN_BUCKETS
-        ).labels(model_name)
-        self._batch_size = histogram(
-            "batch_size", "Requests per engine call.", BATCH_BUCKETS
-        ).labels(model_name)
+        )
+        self._batch_size = histogram("batch_size", "Requests per engine call.", BATCH_BUCKETS)
+        self._catalog_version = Gauge(
+            "xgr:catalog_version", "The catalog's current version.", by_catalog, registry=reg
+        )
         self._running = Gauge(
             "xgr:num_requests_running", "Requests in the running batch.", labels, registry=reg
         ).labels(model_name)
@@ -87,22 +91,29 @@ class ServingMetrics:
         self._success = Counter(
             "xgr:request_success",
             "Requests answered.",
-            ["model_name", "finished_reason"],
+            ["model_name", "catalog", "finished_reason"],
             registry=reg,
         )
         self.model_name = model_name
 
-    def observe_request(self, times: RequestTimes, prompt_tokens: int, reason: str) -> None:
-        """Record one answered request (times in seconds, prompt length in tokens)."""
-        self._e2e.observe(times.e2e)
-        self._queue.observe(times.queue)
-        self._prefill.observe(times.prefill)
-        self._decode.observe(times.decode)
-        self._prompt_tokens.observe(prompt_tokens)
-        self._success.labels(self.model_name, reason).inc()
+    def observe_request(
+        self, times: RequestTimes, prompt_tokens: int, reason: str, catalog: str
+    ) -> None:
+        """Record one answered request (times in seconds, prompt length in tokens) of the
+        catalog named ``catalog``."""
+        model = self.model_name
+        self._e2e.labels(model, catalog).observe(times.e2e)
+        self._queue.labels(model, catalog).observe(times.queue)
+        self._prefill.labels(model, catalog).observe(times.prefill)
+        self._decode.labels(model, catalog).observe(times.decode)
+        self._prompt_tokens.labels(model, catalog).observe(prompt_tokens)
+        self._success.labels(model, catalog, reason).inc()
 
-    def observe_batch(self, size: int) -> None:
-        self._batch_size.observe(size)
+    def observe_batch(self, size: int, catalog: str) -> None:
+        self._batch_size.labels(self.model_name, catalog).observe(size)
+
+    def set_catalog_version(self, catalog: str, version: int) -> None:
+        self._catalog_version.labels(self.model_name, catalog).set(version)
 
     def set_load(self, running: int, waiting: int) -> None:
         self._running.set(running)

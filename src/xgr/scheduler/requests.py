@@ -106,6 +106,7 @@ class QueuedRequest:
             the deadline if the request is still waiting, cancelled with the answer).
         order: set when queued: its place in the queue, (round, arrival number); see
             ``batch_policy.queue_orders``.
+        catalog: the name of the catalog it searches (None: the engine's default).
     """
 
     prompt: list[int] | np.ndarray | Prompt
@@ -121,6 +122,12 @@ class QueuedRequest:
     order: tuple[int, int] = (0, 0)
     allow: frozenset[str] | None = None
     item_filter: dict | None = None
+    catalog: str | None = None
+
+    @property
+    def batch_key(self) -> tuple:
+        """What the requests of one batch share: one search and one catalog."""
+        return (self.beam_width, self.top_k, self.catalog)
 
 
 @dataclass(frozen=True)
@@ -164,5 +171,5 @@ def answer_requests(
         if request.future.done():  # withdrawn while its batch ran: nobody to answer
             continue
         if metrics and request.recorded:
-            metrics.observe_request(times, result.prompt_tokens, FINISHED_REASON)
+            metrics.observe_request(times, result.prompt_tokens, FINISHED_REASON, result.catalog)
         request.future.set_result(Answer(result, times))

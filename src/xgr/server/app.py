@@ -42,6 +42,7 @@ from xgr.server.completions import chat_response, completion_prompts, completion
 from xgr.server.config import BodySizeLimit, ServerConfig
 from xgr.server.embeds import decode_spans, embedded_prompt
 from xgr.server.schemas import (
+    CatalogCard,
     CatalogSummary,
     CatalogUpdateRequest,
     ChatCompletionRequest,
@@ -129,13 +130,19 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     )
     state = {"ready": False, "started": int(time.time())}
     # Built now, so that a model too small for one item is refused before the server starts.
-    warm_up = engine.history_prompt(engine.catalog.item_ids[:1], truncate=True)
+    warm_ups = [
+        (name, engine.history_prompt(served.catalog.item_ids[:1], truncate=True, catalog=name))
+        for name, served in engine.catalogs.items()
+    ]
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         batcher.start()
         # /ready turns 200 only after one real generation: the first request pays no warm-up.
-        await batcher.submit(QueuedRequest(warm_up, 1, 1, 1, recorded=False))
+        for name, prompt in warm_ups:
+            await batcher.submit(QueuedRequest(prompt, 1, 1, 1, recorded=False, catalog=name))
+        for name, served in engine.catalogs.items():
+            metrics.set_catalog_version(name, served.version)
         freeze_long_lived_objects()
         state["ready"] = True
         yield
@@ -279,7 +286,17 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             num_semantic_ids=catalog.num_semantic_ids,
             num_levels=catalog.num_levels,
             max_prompt_tokens=engine.max_prompt_tokens,
-            attributes=catalog.attributes.kinds if catalog.attributes is not None else {},
+            attributes=attribute_kinds(catalog),
+            catalogs=[
+                CatalogCard(
+                    name=name,
+                    catalog_version=version.version,
+                    num_items=len(version.catalog),
+                    num_semantic_ids=version.catalog.num_semantic_ids,
+                    attributes=attribute_kinds(version.catalog),
+                )  # fmt: skip
+                for name, version in ((n, s.current) for n, s in engine.catalogs.items())
+            ],
         )
         return ModelList(data=[card])
 
@@ -290,8 +307,9 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         check_search(body.beam_width, top_k, body.num_results)
         deadline = arrived + body.deadline_ms / 1e3 if body.deadline_ms else None
         batcher.check_admission(1, deadline)  # before the history is resolved
+        served = engine.served_catalog(body.catalog)
         if body.filter is not None:  # a 400 naming the attribute, operator or value
-            compile_filter(body.filter, engine.catalog.attributes)
+            compile_filter(body.filter, served.catalog.attributes)
 
         if body.prompt_embeds is not None and body.truncate_history:
             raise XgrError(
@@ -300,9 +318,12 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             )
 
         def prepare():  # CPU work on long histories: off the event loop
-            history = resolve_history(engine.catalog, body.history, engine.title_index)
+            version = served.current
+            history = resolve_history(version.catalog, body.history, version.title_index)
             items = history.item_ids
-            prompt = engine.token_ids(engine.history_prompt(items, body.truncate_history))
+            prompt = engine.token_ids(
+                engine.history_prompt(items, body.truncate_history, served.name)
+            )
             if body.prompt_embeds is not None:
                 spans = decode_spans(body.prompt_embeds, engine.max_prompt_tokens)
                 prompt = checked_prompt(engine, embedded_prompt(prompt, spans))
@@ -325,6 +346,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
                     if body.allow_items is None
                     else frozenset(str(i) for i in body.allow_items),
                     item_filter=body.filter,
+                    catalog=served.name,
                 )
             ),
         )
@@ -339,12 +361,13 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
                     item_id=r.item_id,
                     score=r.score,
                     title=r.title,
-                    semantic_id=engine.catalog.format_semantic_id(r.semantic_id),
+                    semantic_id=served.catalog.format_semantic_id(r.semantic_id),
                     level_scores=list(r.level_scores) if body.return_level_scores else None,
                 )
                 for r in result.items
             ],
             complete=result.complete,
+            catalog=result.catalog,
             catalog_version=result.catalog_version,
             timings=Timings(
                 queue_ms=times.queue * 1e3,
@@ -377,6 +400,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             config, body.n, body.beam_width or body.best_of, ", from beam_width or best_of"
         )
         check_search(beam_width, beam_width, body.n)
+        catalog = engine.served_catalog(body.catalog).name
 
         if body.prompt is None and body.prompt_embeds is None:
             raise XgrError("a completion needs a prompt, prompt_embeds, or both")
@@ -395,7 +419,9 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         # share a batch and a full queue never runs part of a completion.
         answers = await answer_unless_disconnected(
             http_request,
-            batcher.submit_all([QueuedRequest(p, beam_width, beam_width, body.n) for p in prompts]),
+            batcher.submit_all(
+                [QueuedRequest(p, beam_width, beam_width, body.n, catalog=catalog) for p in prompts]
+            ),
         )
         if answers is None:  # nobody is listening
             return Response(status_code=499)
@@ -420,24 +446,29 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         beam_width = completion_beam(config, body.n, body.beam_width)
         top_k = body.top_k or beam_width
         check_search(beam_width, top_k, body.n)
+        catalog = engine.served_catalog(body.catalog).name
         messages = [m.model_dump() for m in body.messages]
         prompt = await asyncio.to_thread(lambda: engine.token_ids(engine.chat_prompt(messages)))
         answers = await answer_unless_disconnected(
-            http_request, batcher.submit_all([QueuedRequest(prompt, beam_width, top_k, body.n)])
+            http_request,
+            batcher.submit_all([QueuedRequest(prompt, beam_width, top_k, body.n, catalog=catalog)]),
         )
         if answers is None:  # nobody is listening
             return Response(status_code=499)
         return chat_response(engine, answers[0].result, int(time.time()))
 
     if config.admin_token:
-        add_catalog_admin(app, engine, config.admin_token)
+        add_catalog_admin(app, engine, config.admin_token, metrics)
     return app
 
 
-def add_catalog_admin(app: FastAPI, engine: Engine, token: str) -> None:
+def add_catalog_admin(
+    app: FastAPI, engine: Engine, token: str, metrics: ServingMetrics | None = None
+) -> None:
     """The catalog admin API (``GET``/``POST /v1/catalog``, ``POST /v1/catalog/rollback``),
     each request authorized by ``Authorization: Bearer <token>`` (compared in constant
-    time; no answer echoes it)."""
+    time; no answer echoes it). Each takes ``?catalog=NAME`` (default: the first catalog).
+    A new version is reported to ``metrics`` (``xgr:catalog_version``)."""
     expected = token.encode()
 
     def authorize(request: Request) -> None:
@@ -445,40 +476,52 @@ def add_catalog_admin(app: FastAPI, engine: Engine, token: str) -> None:
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
             raise AdminAuthError("the catalog API needs the header Authorization: Bearer <token>")
 
-    def summary() -> CatalogSummary:
-        catalog = engine.catalog
-        attributes = catalog.attributes.kinds if catalog.attributes is not None else {}
+    def summary(name: str) -> CatalogSummary:
+        version = engine.served_catalog(name).current
+        catalog = version.catalog
+        if metrics is not None:
+            metrics.set_catalog_version(name, version.version)
         return CatalogSummary(
-            catalog_version=engine.catalog_version, num_items=len(catalog),
+            catalog=name, catalog_version=version.version, num_items=len(catalog),
             num_semantic_ids=catalog.num_semantic_ids, fingerprint=catalog.fingerprint,
-            attributes=attributes,
+            attributes=attribute_kinds(catalog),
         )  # fmt: skip
 
     admin = {401: _error("No or another admin token.")}
 
+    def named(request: Request) -> str:
+        """The catalog a request names (``?catalog=``), after its authorization."""
+        authorize(request)
+        return engine.served_catalog(request.query_params.get("catalog")).name
+
     @app.get("/v1/catalog", response_model=CatalogSummary, responses=admin)
     async def catalog_info(request: Request) -> Any:
-        authorize(request)
-        return await asyncio.to_thread(summary)
+        return await asyncio.to_thread(summary, named(request))
 
     @app.post("/v1/catalog", response_model=CatalogSummary, responses={**admin, **POST_ERRORS})
     async def update_catalog(body: CatalogUpdateRequest, request: Request) -> Any:
-        authorize(request)
+        name = named(request)
 
         def update() -> CatalogSummary:
             replace = None
             if body.replace is not None:
-                replace = ItemCatalog.from_index_dict(body.replace, engine.catalog.codebook_size)
-            engine.update_catalog(body.add, body.remove, body.set_attributes, replace)
-            return summary()
+                codebook = engine.served_catalog(name).catalog.codebook_size
+                replace = ItemCatalog.from_index_dict(body.replace, codebook)
+            engine.update_catalog(body.add, body.remove, body.set_attributes, replace, name)
+            return summary(name)
 
         return await asyncio.to_thread(update)
 
     @app.post("/v1/catalog/rollback", response_model=CatalogSummary, responses=admin)
     async def rollback_catalog(request: Request) -> Any:
-        authorize(request)
-        await asyncio.to_thread(engine.rollback_catalog)
-        return await asyncio.to_thread(summary)
+        name = named(request)
+        await asyncio.to_thread(engine.rollback_catalog, name)
+        return await asyncio.to_thread(summary, name)
+
+
+def attribute_kinds(catalog: ItemCatalog) -> dict[str, str]:
+    """The catalog's filterable attributes and their types (none without attributes)."""
+    return catalog.attributes.kinds if catalog.attributes is not None else {}
 
 
 def check_model(engine: Engine, model: str | None) -> None:

@@ -49,18 +49,18 @@ def completion_response(
     """Choices for each prompt's results: ``index`` = prompt index * n + rank (OpenAI's
     numbering; a prompt with fewer than n valid semantic IDs leaves its last indexes unused).
     With ``logprobs`` each choice carries its code tokens' log-probabilities."""
-    catalog = engine.catalog
+    catalog = engine.served_catalog(results[0].catalog if results else None).catalog
     choices, prompt_tokens, generated = [], 0, 0
     for prompt_index, result in enumerate(results):
         prompt_tokens += result.prompt_tokens
+        items = items_by_semantic_id(result)
         for rank, (codes, score) in enumerate(result.semantic_ids):
-            sid = catalog.find_semantic_id(codes)
             text = catalog.format_semantic_id(codes)
             choices.append(
                 CompletionChoice(
                     index=prompt_index * n + rank,
                     text=text,
-                    item_ids=catalog.items_of_semantic_id(sid),
+                    item_ids=items.get(tuple(codes), []),
                     score=score,
                     logprobs=code_logprobs(catalog, codes, result.level_scores[rank])
                     if logprobs
@@ -70,6 +70,7 @@ def completion_response(
             )
             generated += catalog.num_levels
     return CompletionResponse(
+        catalog=catalog_name(engine, results),
         catalog_version=min((r.catalog_version for r in results), default=1),
         id=f"cmpl-{uuid.uuid4().hex}",
         created=created or int(time.time()),
@@ -81,6 +82,20 @@ def completion_response(
             total_tokens=prompt_tokens + generated,
         ),
     )
+
+
+def items_by_semantic_id(result: RecommendResult) -> dict[tuple[int, ...], list[str]]:
+    """The item ids of each of a result's semantic IDs, from the catalog version its search
+    ran on (the current one may have dropped them since)."""
+    items: dict[tuple[int, ...], list[str]] = {}
+    for item in result.items:
+        items.setdefault(tuple(item.semantic_id), []).append(item.item_id)
+    return items
+
+
+def catalog_name(engine: Any, results: list[RecommendResult]) -> str:
+    """The catalog that results came from (the default for none)."""
+    return results[0].catalog if results else engine.default_catalog
 
 
 def code_logprobs(
@@ -96,12 +111,13 @@ def code_logprobs(
 def chat_response(engine: Any, result: RecommendResult, created: int) -> ChatCompletionResponse:
     """The chat completion of one conversation's results: a choice per semantic ID, its
     tokens as the assistant message's content, with its items and score."""
-    catalog = engine.catalog
+    catalog = engine.served_catalog(result.catalog).catalog
+    items = items_by_semantic_id(result)
     choices = [
         ChatChoice(
             index=rank,
             message=ChatChoiceMessage(content=catalog.format_semantic_id(codes)),
-            item_ids=catalog.items_of_semantic_id(catalog.find_semantic_id(codes)),
+            item_ids=items.get(tuple(codes), []),
             score=score,
             finish_reason="length",
         )
@@ -109,6 +125,7 @@ def chat_response(engine: Any, result: RecommendResult, created: int) -> ChatCom
     ]
     generated = catalog.num_levels * len(choices)
     return ChatCompletionResponse(
+        catalog=result.catalog,
         catalog_version=result.catalog_version,
         id=f"chatcmpl-{uuid.uuid4().hex}",
         created=created or int(time.time()),

@@ -16,6 +16,16 @@ MAX_RULE_ITEMS = 100_000
 MAX_PROMPTS = 256
 
 
+def catalog_field() -> Any:
+    """A request's ``catalog``: the name of the catalog to search."""
+    return Field(
+        None,
+        max_length=64,
+        description="The catalog to recommend from, by name (GET /v1/models lists them); "
+        "default: the server's first.",
+    )
+
+
 class EmbedSpan(BaseModel):
     """Input embeddings for ``shape[0]`` prompt positions from ``offset`` on: the
     little-endian bytes of a row-major (n, d) array, base64."""
@@ -57,6 +67,7 @@ class RecommendRequest(BaseModel):
         10, ge=1, le=MAX_BEAM_WIDTH, description="Semantic IDs returned (<= beam_width)."
     )
     exclude_history: bool = Field(True, description="Leave the history's items out.")
+    catalog: str | None = catalog_field()
     exclude_items: list[StrictStr | StrictInt] | None = Field(
         None, max_length=MAX_RULE_ITEMS, description="Item ids never returned."
     )
@@ -119,6 +130,7 @@ class RecommendResponse(BaseModel):
         description="False when the search found fewer than num_results semantic IDs with "
         "an item passing the request's rules and exclusions (fewer of them exist)."
     )
+    catalog: str = Field(description="The catalog searched.")
     catalog_version: int = Field(1, description="The catalog version the search ran on.")
     timings: Timings
 
@@ -162,6 +174,7 @@ class CompletionRequest(BaseModel):
         "(OpenAI's logprobs object; the alternatives, top_logprobs, are not computed).",
     )
     user: str | None = Field(None, max_length=256)
+    catalog: str | None = catalog_field()
 
 
 class Logprobs(BaseModel):
@@ -195,6 +208,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage
+    catalog: str
     catalog_version: int = 1
 
 
@@ -227,6 +241,7 @@ class ChatCompletionRequest(BaseModel):
         None, allow_inf_nan=False, ge=0, le=2, description="Ignored (beam search)."
     )
     user: str | None = Field(None, max_length=256)
+    catalog: str | None = catalog_field()
 
 
 class ChatChoiceMessage(BaseModel):
@@ -249,6 +264,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    catalog: str
     catalog_version: int = 1
 
 
@@ -270,11 +286,22 @@ class CatalogUpdateRequest(BaseModel):
 
 
 class CatalogSummary(BaseModel):
+    catalog: str = Field(description="The catalog's name.")
     catalog_version: int
     num_items: int
     num_semantic_ids: int
     fingerprint: str
     attributes: dict[str, str]
+
+
+class CatalogCard(BaseModel):
+    name: str
+    catalog_version: int
+    num_items: int
+    num_semantic_ids: int
+    attributes: dict[str, str] = Field(
+        description="The item attributes that filters may name, with their types."
+    )
 
 
 class ModelCard(BaseModel):
@@ -290,6 +317,11 @@ class ModelCard(BaseModel):
         default_factory=dict,
         description="The item attributes that filters may name, with their types (string, "
         "int, float, bool).",
+    )
+    catalogs: list[CatalogCard] = Field(
+        default_factory=list,
+        description="The catalogs served, the default first (num_items, num_semantic_ids and "
+        "attributes above are the default's).",
     )
 
 

@@ -1,0 +1,178 @@
+"""Several catalogs served by one model: each searches as an engine built on it alone, has its
+own versions and rules, and (CUDA) keeps its own graphs, so alternating costs no capture."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import random_catalog, sequential_sid_map, write_random_model
+from tests.engine.test_catalog_updates import PROMPTS, SEARCH, same_results, tokens
+from xgr import Engine, ItemCatalog, XgrError
+
+LEVELS, CODEBOOK, OFFSET = 3, 16, 8
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("catalogs")
+    write_random_model(path, "qwen3", seed=4)
+    return path
+
+
+def engine_on(folder, catalog, device="cpu"):
+    sid_map = sequential_sid_map(LEVELS, CODEBOOK, OFFSET)
+    return Engine.from_pretrained(folder, catalog=catalog, sid_token_ids=sid_map, device=device)
+
+
+def two_catalogs():
+    """Two markets: a shared part (same ids, same codes) and items of their own."""
+    shared = random_catalog(200, LEVELS, CODEBOOK, seed=21)
+    ids, codes = list(shared.item_ids), shared.codes
+    rng = np.random.default_rng(22)
+    us = ItemCatalog.from_codes(
+        [*ids[:150], *(f"us{k}" for k in range(40))],
+        np.concatenate([codes[:150], rng.integers(0, CODEBOOK, (40, LEVELS))]),
+        CODEBOOK,
+    )
+    eu = ItemCatalog.from_codes(
+        [*ids[100:], *(f"eu{k}" for k in range(60))],
+        np.concatenate([codes[100:], rng.integers(0, CODEBOOK, (60, LEVELS))]),
+        CODEBOOK,
+    )
+    return us, eu
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_two_catalogs_answer_side_by_side_as_each_alone(folder, device):
+    us, eu = two_catalogs()
+    engine = engine_on(folder, {"us": us, "eu": eu}, device)
+    assert list(engine.catalogs) == ["us", "eu"] and engine.default_catalog == "us"
+    alone = {name: engine_on(folder, c, device) for name, c in (("us", us), ("eu", eu))}
+    want = {name: e.recommend(PROMPTS, **SEARCH) for name, e in alone.items()}
+    assert [r.item_id for r in want["us"][0].items] != [r.item_id for r in want["eu"][0].items]
+    for _ in range(2):  # alternating, twice: the second round replays what the first made
+        for name in ("us", "eu", "us"):
+            got = engine.recommend(PROMPTS, **SEARCH, catalog=name)
+            same_results(got, want[name])
+            assert all(r.catalog == name and r.catalog_version == 1 for r in got)
+            assert {r.item_id for r in got[0].items} <= set(engine.catalogs[name].catalog.item_ids)
+        if device == "cuda" and _ == 0:
+            captures = engine.graphs.captures
+    same_results(engine.recommend(PROMPTS, **SEARCH), want["us"])  # the default
+    if device == "cuda":
+        assert engine.graphs.captures == captures  # each catalog's graphs kept
+
+
+def test_each_catalog_has_its_own_versions_and_rules(folder, tmp_path):
+    us, eu = two_catalogs()
+    engine = engine_on(folder, {"us": us, "eu": eu})
+    first_eu = engine.recommend(PROMPTS, **SEARCH, catalog="eu")
+    first_us = engine.recommend(PROMPTS, **SEARCH, catalog="us")
+    gone = sorted({r.item_id for r in first_eu[0].items[:3]})
+    assert engine.update_catalog(remove=gone, add={"eu-new": tokens([1, 2, 3])}, catalog="eu") == 2
+    assert engine.catalogs["eu"].version == 2 and engine.catalogs["us"].version == 1
+    after = engine.recommend(PROMPTS, **SEARCH, catalog="eu")
+    assert all(r.catalog_version == 2 for r in after)
+    assert not {r.item_id for r in after[0].items} & set(gone)
+    same_results(engine.recommend(PROMPTS, **SEARCH, catalog="us"), first_us)  # untouched
+    # Its own number sequence and rollback.
+    assert engine.update_catalog(remove=[us.item_ids[0]]) == 2  # the default: "us"
+    assert engine.rollback_catalog(catalog="eu") == 1
+    same_results(engine.recommend(PROMPTS, **SEARCH, catalog="eu"), first_eu)
+    assert engine.catalogs["us"].version == 2
+    with pytest.raises(XgrError, match="no earlier catalog version of 'eu'"):
+        engine.rollback_catalog(catalog="eu")
+    # Rules read the named catalog's items.
+    only = [i for i in eu.item_ids if i.startswith("eu")][:5]
+    ruled = engine.recommend(PROMPTS[:1], **SEARCH, catalog="eu", allow_item_ids=[only])
+    assert ruled[0].items and {r.item_id for r in ruled[0].items} <= set(only)
+    none_in_us = engine.recommend(PROMPTS[:1], **SEARCH, catalog="us", allow_item_ids=[only])
+    assert none_in_us[0].items == []  # those items are not in the US catalog
+    # History prompts are built from the named catalog's codes.
+    eu_only = next(i for i in eu.item_ids if i.startswith("eu"))
+    assert engine.history_prompt([eu_only], catalog="eu")
+    with pytest.raises(XgrError, match="unknown"):
+        engine.history_prompt([eu_only])
+
+
+@pytest.mark.parametrize(
+    "catalog, message",
+    [
+        ({}, "non-empty mapping"),
+        ({"": None}, "1-64 letters"),
+        ({"a b": None}, "1-64 letters"),
+        ({"x" * 65: None}, "1-64 letters"),
+        ({"-x": None}, "starting with a letter or digit"),
+        ({"us": "catalog.json"}, "catalog 'us' must be an ItemCatalog"),
+        ([("us", None)], "non-empty mapping"),
+    ],
+)
+def test_bad_catalog_mappings_are_refused(folder, catalog, message):
+    with pytest.raises(XgrError, match=message):
+        engine_on(folder, catalog)
+
+
+def test_unknown_names_are_refused_everywhere(folder):
+    us, eu = two_catalogs()
+    engine = engine_on(folder, {"us": us, "eu": eu})
+    for call in (
+        lambda: engine.recommend(PROMPTS, **SEARCH, catalog="asia"),
+        lambda: engine.update_catalog(remove=[us.item_ids[0]], catalog="asia"),
+        lambda: engine.rollback_catalog(catalog="asia"),
+        lambda: engine.served_catalog(3),
+    ):
+        with pytest.raises(XgrError, match=r"no catalog named .*serves \['us', 'eu'\]"):
+            call()
+    assert engine.catalogs["us"].version == 1
+
+
+def test_each_catalog_is_checked_against_the_training_record(folder, tmp_path):
+    us, eu = two_catalogs()
+    trained = tmp_path / "trained"
+    shutil.copytree(folder, trained)
+    us.write_model_metadata(trained, sequential_sid_map(LEVELS, CODEBOOK, OFFSET))
+    engine_on(trained, {"us": us, "eu": eu})  # shared items keep their codes: accepted
+    codes = eu.codes.copy()
+    codes[0] = (codes[0] + 1) % CODEBOOK  # a shared item moved
+    moved = ItemCatalog.from_codes(eu.item_ids, codes, CODEBOOK)
+    with pytest.raises(XgrError, match=rf"catalog 'eu': .*{eu.item_ids[0]!r}"):
+        engine_on(trained, {"us": us, "eu": moved})
+
+
+def test_updates_of_one_catalog_leave_the_others_requests_alone(folder):
+    us, eu = two_catalogs()
+    engine = engine_on(folder, {"us": us, "eu": eu})
+    want_us = engine.recommend(PROMPTS, **SEARCH, catalog="us")
+    errors, answers = [], []
+    stop = threading.Event()
+
+    def ask():
+        while not stop.is_set():
+            try:
+                answers.append(engine.recommend(PROMPTS, **SEARCH, catalog="us"))
+            except Exception as exc:  # noqa: BLE001 - the test reports any
+                errors.append(exc)
+
+    thread = threading.Thread(target=ask)
+    thread.start()
+    rng = np.random.default_rng(3)
+    for step in range(4):
+        items = list(engine.catalogs["eu"].catalog.item_ids)
+        engine.update_catalog(
+            remove=list(rng.choice(items, 10, replace=False)),
+            add={f"e{step}-{k}": rng.integers(0, CODEBOOK, LEVELS).tolist() for k in range(10)},
+            catalog="eu",
+        )
+    stop.set()
+    thread.join()
+    assert not errors and answers
+    for got in answers:
+        same_results(got, want_us)
+        assert all(r.catalog == "us" and r.catalog_version == 1 for r in got)
+    assert engine.catalogs["eu"].version == 5
