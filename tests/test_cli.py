@@ -87,8 +87,15 @@ def test_errors_are_messages_not_tracebacks(served_model_dir, tmp_path):
         ),
         (("serve", "--model", model, "--attributes", str(tmp_path)), "is not a file"),
         (
-            ("recommend", "--model", model, "--catalog", f"us={tmp_path / 'none.json'}",
-             "--history", "item3"),
+            (
+                "recommend",
+                "--model",
+                model,
+                "--catalog",
+                f"us={tmp_path / 'none.json'}",
+                "--history",
+                "item3",
+            ),
             "none.json",
         ),  # fmt: skip
         (("serve", "--model", model, "--host", "not a host!"), "--host 'not a host!' cannot be"),

@@ -8,9 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from xgr import ItemCatalog, XgrError
 from xgr.catalog import CATALOG_METADATA_FILE
+from xgr.catalog.catalog import unique_rows
 
 REAL_INDEX = (
     Path(__file__).resolve().parents[2].parent
@@ -469,3 +472,19 @@ def test_item_rows_of_semantic_ids_follow_each_ids_catalog_order():
     want = [catalog.items_of_semantic_id(int(s)) for s in sids]
     assert counts.tolist() == [len(w) for w in want]
     assert [catalog.item_ids[r] for r in rows.tolist()] == [i for w in want for i in w]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 200),
+    st.integers(1, 6),
+    st.sampled_from([1, 2, 7, 16, 256, 1 << 16]),
+    st.integers(0, 2**32 - 1),
+)
+def test_unique_rows_equals_numpy_unique(num, levels, codebook, seed):
+    codes = np.random.default_rng(seed).integers(0, codebook, (num, levels))
+    rows, inverse = unique_rows(codes, codebook)
+    want_rows, want_inverse = np.unique(codes, axis=0, return_inverse=True)
+    np.testing.assert_array_equal(rows, want_rows)
+    np.testing.assert_array_equal(inverse, want_inverse.reshape(-1))
+    assert rows.dtype == inverse.dtype == np.int64

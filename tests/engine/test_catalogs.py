@@ -25,9 +25,11 @@ def folder(tmp_path_factory):
     return path
 
 
-def engine_on(folder, catalog, device="cpu"):
+def engine_on(folder, catalog, device="cpu", **options):
     sid_map = sequential_sid_map(LEVELS, CODEBOOK, OFFSET)
-    return Engine.from_pretrained(folder, catalog=catalog, sid_token_ids=sid_map, device=device)
+    return Engine.from_pretrained(
+        folder, catalog=catalog, sid_token_ids=sid_map, device=device, **options
+    )
 
 
 def two_catalogs():
@@ -51,7 +53,8 @@ def two_catalogs():
 @pytest.mark.parametrize("device", DEVICES)
 def test_two_catalogs_answer_side_by_side_as_each_alone(folder, device):
     us, eu = two_catalogs()
-    engine = engine_on(folder, {"us": us, "eu": eu}, device)
+    # One lane: its graphs are the ones counted.
+    engine = engine_on(folder, {"us": us, "eu": eu}, device, pipeline_depth=1)
     assert list(engine.catalogs) == ["us", "eu"] and engine.default_catalog == "us"
     alone = {name: engine_on(folder, c, device) for name, c in (("us", us), ("eu", eu))}
     want = {name: e.recommend(PROMPTS, **SEARCH) for name, e in alone.items()}
@@ -67,6 +70,16 @@ def test_two_catalogs_answer_side_by_side_as_each_alone(folder, device):
     same_results(engine.recommend(PROMPTS, **SEARCH), want["us"])  # the default
     if device == "cuda":
         assert engine.graphs.captures == captures  # each catalog's graphs kept
+        # A new version of one catalog: its old graphs go, the other's stay.
+        retired = engine.catalogs["eu"].current.spec.runner
+        engine.update_catalog(remove=[eu.item_ids[-1]], catalog="eu")
+        engine.recommend(PROMPTS, **SEARCH, catalog="eu")
+        assert engine.graphs.captures > captures
+        runners = [key[0] for key in engine.graphs.cache.keys()]
+        assert retired not in runners and engine.catalogs["us"].current.spec.runner in runners
+        captures = engine.graphs.captures
+        engine.recommend(PROMPTS, **SEARCH, catalog="us")
+        assert engine.graphs.captures == captures
 
 
 def test_each_catalog_has_its_own_versions_and_rules(folder, tmp_path):

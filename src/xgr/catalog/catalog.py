@@ -89,8 +89,7 @@ class ItemCatalog:
         self.codes = codes
         self.codebook_size = int(codebook_size)
         self.level_names = names
-        self.semantic_ids, sid_of_item = np.unique(codes, axis=0, return_inverse=True)
-        self.sid_of_item = sid_of_item.reshape(-1).astype(np.int64)
+        self.semantic_ids, self.sid_of_item = unique_rows(codes, self.codebook_size)
         self.attributes: ItemAttributes | None = None
         # Items of each semantic ID, in catalog order (stable sort keeps it).
         order = np.argsort(self.sid_of_item, kind="stable")
@@ -444,3 +443,22 @@ def _as_code_array(codes: Any) -> np.ndarray:
     if not np.issubdtype(array.dtype, np.integer):
         raise XgrError(f"codes must be integers, got dtype {array.dtype}")
     return array.astype(np.int64)
+
+
+def unique_rows(codes: np.ndarray, codebook_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(codes, axis=0, return_inverse=True)`` of (N, L) codes in
+    [0, codebook_size): the distinct rows in lexicographic order, (S, L) int64, and each
+    row's index among them, (N,) int64.
+
+    Rows are read as one integer each, base ``codebook_size``, whose order is the rows'
+    lexicographic order: one sort of N integers instead of one of N row records (about ten
+    times faster for a million items). Beyond 62 bits it falls back to ``np.unique``.
+    """
+    levels = codes.shape[1]
+    if codebook_size**levels >= 1 << 62:
+        rows, inverse = np.unique(codes, axis=0, return_inverse=True)
+        return rows.astype(np.int64), inverse.reshape(-1).astype(np.int64)
+    weights = codebook_size ** np.arange(levels - 1, -1, -1, dtype=np.int64)
+    keys, inverse = np.unique(codes.astype(np.int64) @ weights, return_inverse=True)
+    rows = (keys[:, None] // weights) % codebook_size
+    return rows, inverse.reshape(-1).astype(np.int64)
