@@ -392,3 +392,19 @@ def test_serve_refuses_a_model_that_cannot_hold_one_item(tmp_path, served_model_
     result = CliRunner().invoke(main, ["serve", "--model", str(folder), "--port", "1"])
     assert result.exit_code != 0 and "a prompt of one item needs" in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("http", PROTOCOLS)
+def test_a_large_body_sent_at_once_is_not_counted_as_headers(engine, http):
+    """A request whose headers and a large body reach the server in one read (a fast client
+    on a fast link) is answered, not refused as oversized headers."""
+    body = b'{"history": ["item3"], "beam_width": 8, "num_results": 2}' + b" " * 300_000
+    head = HEADERS + b"content-length: %d\r\n\r\n" % len(body)
+    with serving(create_app(engine), SHORT, http) as (_, port):
+        for split in (len(head), len(head) - 2, len(head) - 3):  # the header end split too
+            sock = connect(port, head[:split])
+            sock.sendall(head[split:] + body)
+            response, answer = read_response(sock, 30)
+            sock.close()
+            assert response.startswith(b"HTTP/1.1 200 "), (split, response, answer[:200])
+            assert json.loads(answer)["items"]

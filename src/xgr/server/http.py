@@ -116,6 +116,7 @@ class _Deadlines:
     _body_timer: asyncio.TimerHandle | None = None
     _refused = False
     _header_bytes = 0
+    _header_tail = b""  # the last bytes counted: a header end may span two reads
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
@@ -144,11 +145,19 @@ class _Deadlines:
         return True
 
     def _count_header_bytes(self, data: bytes) -> bool:
-        """Count bytes received while a request's headers are awaited; False (the
-        connection answered 431 and closed) once they exceed ``MAX_HEADER_BYTES``."""
+        """Count the bytes of a request's line and headers as they arrive (a read may also
+        hold the start of its body, which is not counted); False (the connection answered
+        431 and closed) once they exceed ``MAX_HEADER_BYTES``."""
         if self._header_timer is None:
             return True
-        self._header_bytes += len(data)
+        seen = self._header_tail + data
+        end = seen.find(b"\r\n\r\n")
+        if end < 0:
+            self._header_bytes += len(data)
+            self._header_tail = seen[-3:]
+        else:
+            self._header_bytes += max(0, end + 4 - len(self._header_tail))
+            self._header_tail = b""
         if self._header_bytes <= MAX_HEADER_BYTES:
             return True
         self._refused = True
@@ -184,6 +193,7 @@ class _Deadlines:
 
     def _headers_done(self) -> None:
         self._header_bytes = 0
+        self._header_tail = b""
         self.waiting.pop(self, None)
         self._cancel("_header_timer")
         if self._body_timer is None:
