@@ -45,11 +45,19 @@ SETTLE_S = 1.0  # after the update's answer, still counted as during it
 
 
 def server_role(args) -> None:
-    """Child process: the server, its admin API on."""
+    """Child process: the server, its admin API on; its graph captures logged with their
+    wall-clock times."""
+    import logging
+
     from xgr.server.app import create_app
     from xgr.server.config import ServerConfig
     from xgr.server.http import run_server
 
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(created).3f %(name)s %(message)s"))
+    graph_log = logging.getLogger("xgr.engine.graph_cache")
+    graph_log.addHandler(handler)
+    graph_log.setLevel(logging.INFO)
     engine = build_engine(args)
     config = ServerConfig(
         max_batch_size=args.max_batch_size, default_beam_width=64, admin_token=TOKEN
@@ -125,7 +133,7 @@ async def under_load(port: int, args, rate: float, requests: list[bytes]) -> dic
 
     async def update_later():
         await asyncio.sleep(args.update_at)
-        marks["post"] = time.perf_counter()
+        marks["post"], marks["post_wall"] = time.perf_counter(), time.time()
         marks["answer"] = await asyncio.to_thread(call, port, "POST", "/v1/catalog", update)
         marks["served"] = time.perf_counter()
         probe = await asyncio.to_thread(call, port, "POST", "/v1/recommend", probe_body)
@@ -139,6 +147,7 @@ async def under_load(port: int, args, rate: float, requests: list[bytes]) -> dic
     post, served = marks["post"] - origin, marks["served"] - origin
     probe = marks["probe"]
     return {
+        "post_wall": marks["post_wall"],
         "rate": rate,
         "update": {
             "added": args.changes,
@@ -202,6 +211,15 @@ def main() -> None:
     finally:
         process.terminate()
         process.wait(30)
+    # Graphs captured after the update: the new version's batches capture their own.
+    captured = [
+        float(line.split()[0]) for line in log.read_text().splitlines()
+        if "captured CUDA graph" in line and line.split()[0].replace(".", "").isdigit()
+    ]  # fmt: skip
+    posted = result.pop("post_wall")
+    after = [t - posted for t in captured if t >= posted]
+    result["update"]["graphs_captured_after"] = len(after)
+    result["update"]["last_capture_after_s"] = max(after, default=None)
     report = {
         "benchmark": "a catalog update under load over HTTP",
         **run_environment("cpu" if args.tiny else "cuda"),
@@ -222,7 +240,8 @@ def main() -> None:
         f"update +{update['added']} -{update['removed']}: new version {update['new_version']} "
         f"serves {update['until_new_version_serves_s']:.2f} s after the POST; probe saw "
         f"version {update['probe_catalog_version']}, removed items in it: "
-        f"{update['probe_holds_removed_items']}"
+        f"{update['probe_holds_removed_items']}; {update['graphs_captured_after']} graphs "
+        f"captured after it, the last {update['last_capture_after_s']} s after"
     )
     print(f"{'window':<8}{'requests':>9}{'ok':>7}{'P50 ms':>9}{'P99 ms':>9}{'max ms':>9}  statuses")
     for name in ("before", "during", "after", "all"):

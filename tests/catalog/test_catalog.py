@@ -488,3 +488,15 @@ def test_unique_rows_equals_numpy_unique(num, levels, codebook, seed):
     np.testing.assert_array_equal(rows, want_rows)
     np.testing.assert_array_equal(inverse, want_inverse.reshape(-1))
     assert rows.dtype == inverse.dtype == np.int64
+
+
+def test_the_fingerprint_is_the_digest_of_one_json_line_per_item_by_id():
+    import hashlib
+
+    ids = ["b", 'q"uote', "back\\slash", "ünï", "a\nline", "", "🙂", "10", "9"]
+    codes = np.random.default_rng(3).integers(0, 300, (len(ids), 3))
+    catalog = ItemCatalog.from_codes(ids, codes, 300)
+    digest = hashlib.sha256(b"xgr-catalog-v1 levels=3\n")
+    for row in sorted(range(len(ids)), key=ids.__getitem__):
+        digest.update((json.dumps([ids[row], codes[row].tolist()]) + "\n").encode())
+    assert catalog.fingerprint == "sha256:" + digest.hexdigest()

@@ -70,13 +70,20 @@ def test_two_catalogs_answer_side_by_side_as_each_alone(folder, device):
     same_results(engine.recommend(PROMPTS, **SEARCH), want["us"])  # the default
     if device == "cuda":
         assert engine.graphs.captures == captures  # each catalog's graphs kept
-        # A new version of one catalog: its old graphs go, the other's stay.
-        retired = engine.catalogs["eu"].current.spec.runner
+        # The catalogs' first-level codes are the same: one runner, its prefill graphs shared.
+        specs = [engine.catalogs[name].current.spec for name in ("us", "eu")]
+        assert specs[0].runner is specs[1].runner
+        # A new version of one catalog: its old decode graphs go, the other's stay, and the
+        # prefill graphs serve the new version too (its first-level codes are the same).
+        retired = specs[1]
         engine.update_catalog(remove=[eu.item_ids[-1]], catalog="eu")
+        prefill_keys = [k for k in engine.graphs.keys() if not hasattr(k, "first_levels_together")]
         engine.recommend(PROMPTS, **SEARCH, catalog="eu")
         assert engine.graphs.captures > captures
-        runners = [key[0] for key in engine.graphs.cache.keys()]
-        assert retired not in runners and engine.catalogs["us"].current.spec.runner in runners
+        owners = [key[0] for key in engine.graphs.cache.keys()]
+        assert retired not in owners and specs[0] in owners
+        assert engine.catalogs["eu"].current.spec.runner is specs[0].runner
+        assert set(prefill_keys) <= set(engine.graphs.keys())
         captures = engine.graphs.captures
         engine.recommend(PROMPTS, **SEARCH, catalog="us")
         assert engine.graphs.captures == captures

@@ -319,10 +319,10 @@ def test_a_limit_change_rebuilds_the_staging_once_even_for_eager_prefills(model_
     for change in (None, 1024, None, None):
         if change:
             graphs.max_prefill_tokens = change
-            assert graphs.needs_capture(plan, [3, 2])
+            assert graphs.needs_capture(plan, [3, 2], engine.decode_spec)
         got = run(engine, prompts, graphs)
         assert torch.equal(got.sid_index, want.sid_index)
-        assert not graphs.needs_capture(plan, [3, 2])
+        assert not graphs.needs_capture(plan, [3, 2], engine.decode_spec)
     assert graphs.captures == 2  # the decode graph, then again after the rebuild
 
 

@@ -586,15 +586,15 @@ def test_a_batch_whose_graphs_were_dropped_after_its_check_captures_alone(model_
             self.lock, self.shapes, self.x_checks = threading.RLock(), {1}, 0
             self.runner = engine.runner
 
-        def use_runner(self, runner, live):
-            assert runner is self.runner and list(live) == [runner]  # one catalog version
+        def use(self, spec, live):
+            assert spec.runner is self.runner and list(live) == [spec]  # one catalog version
 
         def plan(self, lens, beam_width, top_k, together, filtered, embedded, runner):
             assert runner is self.runner
             return len(lens)
 
-        def needs_capture(self, plan, lens, runner):
-            assert runner is self.runner
+        def needs_capture(self, plan, lens, spec):
+            assert spec.runner is self.runner
             missing = plan not in self.shapes
             if threading.current_thread().name == "X" and self.x_checks == 0:
                 self.x_checks += 1

@@ -69,6 +69,12 @@ def test_updates_and_rollbacks_reach_the_next_requests(admin):
     update = client.post("/v1/catalog", headers=AUTH, json={"add": added, "remove": [top]})
     assert update.status_code == 200, update.text
     assert update.json()["catalog_version"] == 2 and update.json()["num_items"] == 499
+    assert update.json()["fingerprint"] is None  # GET's: the answer does not wait for it
+    assert (
+        client.get("/v1/catalog", headers=AUTH).json()["fingerprint"]
+        == (engine.catalog.fingerprint)
+        != info["fingerprint"]
+    )
     second = client.post("/v1/recommend", json=body).json()
     assert second["catalog_version"] == 2
     assert top not in {i["item_id"] for i in second["items"]}

@@ -51,7 +51,7 @@ def apply_update(catalog: ItemCatalog, update: CatalogUpdate) -> ItemCatalog:
             raise XgrError("replace takes the whole catalog: no add or remove beside it")
         new = update.replace
         if new.attributes is None and catalog.attributes is not None:
-            new.attributes = _carried(catalog, new.item_ids, {})
+            new.attributes = _carried(catalog, catalog.rows_of(new.item_ids))
     else:
         new = _added_and_removed(catalog, update.add or {}, update.remove or ())
     if update.set_attributes:
@@ -76,15 +76,19 @@ def _added_and_removed(catalog: ItemCatalog, add: Mapping[str, Any], remove) -> 
             f"cannot add items the catalog has (remove them in the same update to move them): "
             f"{_names(present)}"
         )
-    keep = [row for row, item in enumerate(catalog.item_ids) if item not in gone]
     added = _codes_of(catalog, add)
-    item_ids = [catalog.item_ids[r] for r in keep] + list(add)
-    codes = np.concatenate([catalog.codes[keep], added.reshape(-1, catalog.num_levels)])
-    if not item_ids:
+    # Array work over the kept rows: a Python loop over a million items would hold the
+    # interpreter lock, which the server's request threads share, for a good part of a second.
+    kept = np.ones(len(catalog), dtype=bool)
+    kept[catalog.rows_of(gone)] = False
+    keep = np.flatnonzero(kept)
+    if not keep.size and not add:
         raise XgrError("the update would leave the catalog empty")
+    item_ids = np.asarray(catalog.item_ids, dtype=object)[keep].tolist() + list(add)
+    codes = np.concatenate([catalog.codes[keep], added.reshape(-1, catalog.num_levels)])
     new = ItemCatalog(item_ids, codes, catalog.codebook_size, catalog.level_names)
     if catalog.attributes is not None:
-        new.attributes = _carried(catalog, item_ids, {})
+        new.attributes = _carried(catalog, np.concatenate([keep, np.full(len(add), -1)]))
     return new
 
 
@@ -126,14 +130,14 @@ def _all_ints(codes: Any) -> bool:
     )
 
 
-def _carried(old: ItemCatalog, item_ids: list[str], overrides: dict) -> ItemAttributes:
-    """``old``'s attribute columns over ``item_ids`` (rows of items it lacks: no value)."""
-    rows = old.rows_of(item_ids)
+def _carried(old: ItemCatalog, rows: np.ndarray) -> ItemAttributes:
+    """``old``'s attribute columns at ``rows`` ((N,) int64; -1: an item it lacks, no
+    value), the new catalog's items in order."""
     known = rows >= 0
     columns = {}
     for name, column in old.attributes.columns.items():
-        values = np.zeros(len(item_ids), dtype=column.values.dtype)
-        present = np.zeros(len(item_ids), dtype=bool)
+        values = np.zeros(len(rows), dtype=column.values.dtype)
+        present = np.zeros(len(rows), dtype=bool)
         values[known] = column.values[rows[known]]
         present[known] = column.present[rows[known]]
         columns[name] = Column(column.kind, values, present, column.vocabulary)

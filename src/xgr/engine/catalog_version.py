@@ -43,6 +43,7 @@ class CatalogVersion:
         full_vocab: bool,
         attention_backend: str,
         first_levels_together: bool,
+        previous: DecodeSpec | None = None,
     ) -> CatalogVersion:
         """Build a version's tables (the trie copied to the model's device, the first
         codes read once: a host synchronization, off the request path).
@@ -50,10 +51,13 @@ class CatalogVersion:
         Args:
             sid_token_ids: (num_levels, codebook_size) int64 vocabulary id of each code on
                 the model's device (checked against the catalog by the caller).
+            previous: a spec whose runner (and so its prefill graphs) this version may
+                share (``DecodeSpec.build``).
             Others: as ``DecodeSpec.build``.
         """
         trie = catalog.trie.to(sid_token_ids.device)
         spec = DecodeSpec.build(
-            model, trie, sid_token_ids, full_vocab, attention_backend, first_levels_together
-        )
+            model, trie, sid_token_ids, full_vocab, attention_backend, first_levels_together,
+            previous,
+        )  # fmt: skip
         return cls(version, catalog, spec, CatalogMasks(catalog, trie), TitleIndex(catalog, titles))

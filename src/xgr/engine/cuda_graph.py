@@ -13,8 +13,10 @@ on a prefill whatever its length. Graphs replay the same work with no host invol
   decode forward and KV bookkeeping (``xgr.engine.search``); prompt lengths enter only
   through device tensors.
 
-Both are kept per catalog version's runner (a key is (runner, shape)), so batches of
-several catalogs alternate without capturing again.
+Prefill graphs are kept per runner (a key is (runner, shape)), decode graphs per catalog
+version's ``DecodeSpec`` (the trie they read), so batches of several catalogs alternate
+without capturing again, and a new version whose first-level codes are the old one's keeps
+its prefill graphs.
 
 ``CudaGraphs.plan`` is the one place that decides graph or eager for a batch, and logs
 why a batch runs eagerly. A batch's host-built inputs reach the device in one copy, straight
@@ -89,6 +91,7 @@ class CudaGraphs:
         self._prompt_kv = PromptKVPool(runner.model)
         self._staging: InputStaging | None = None
         self._code_kv: dict[ModelRunner, BeamKV | None] = {}  # by runner
+        self._spec: DecodeSpec | None = None  # the spec in use (``use``)
         # Room in the staging buffer for given embeddings: the largest padded prefill with
         # them planned so far, as a power of two, and at least EMBED_TOKENS_FLOOR.
         self._embed_tokens = 0
@@ -146,11 +149,9 @@ class CudaGraphs:
             self._embed_tokens = max(self._embed_tokens, min(room, self.max_prefill_tokens))
         return GraphPlan(shape, decode)
 
-    def needs_capture(
-        self, plan: GraphPlan, prompt_lens: list[int], runner: ModelRunner | None = None
-    ) -> bool:
-        """Whether running a batch so planned, with ``runner`` (default: ``runner``), would
-        capture a graph or grow the KV pool."""
+    def needs_capture(self, plan: GraphPlan, prompt_lens: list[int], spec: DecodeSpec) -> bool:
+        """Whether running a batch so planned, over ``spec``, would capture a graph or grow
+        the KV pool."""
         if plan.decode is None:
             return False  # eager
         if self._staging_stale():
@@ -158,10 +159,9 @@ class CudaGraphs:
         tokens = plan.prefill.padded_tokens if plan.prefill else sum(prompt_lens)
         if tokens > self.pool_tokens:
             return True
-        runner = runner or self.runner
-        if plan.prefill is not None and (runner, plan.prefill) not in self.cache:
+        if plan.prefill is not None and (spec.runner, plan.prefill) not in self.cache:
             return True
-        return (runner, plan.decode) not in self.cache
+        return (spec, plan.decode) not in self.cache
 
     def stage(
         self, prompts: Sequence[Sequence[int]], shape: PrefillShape, spans=None
@@ -196,15 +196,16 @@ class CudaGraphs:
             )  # fmt: skip
         return self._staging
 
-    def use_runner(self, runner: ModelRunner, live: Sequence[ModelRunner] = ()) -> None:
-        """Run from now on with ``runner`` (a catalog version's). Graphs and level 1's K/V
-        buffer are kept per runner, so batches of several catalogs alternate without
-        capturing again; those of runners that are neither ``runner`` nor in ``live`` (the
-        versions still served) are dropped, once the device is done with them. Callers
-        hold ``lock``."""
-        if runner is self.runner:
+    def use(self, spec: DecodeSpec, live: Sequence[DecodeSpec] = ()) -> None:
+        """Run from now on over ``spec`` (a catalog version's). Prefill graphs and level
+        1's K/V buffer are kept per runner, decode graphs per spec, so batches of several
+        catalogs alternate without capturing again; those of neither ``spec`` nor ``live``
+        (the versions still served) are dropped, once the device is done with them.
+        Callers hold ``lock``."""
+        if spec is self._spec:
             return
-        keep = {id(r) for r in (runner, *live)}
+        owners = (spec, *live)
+        keep = {id(s) for s in owners} | {id(s.runner) for s in owners}
         stale = [key for key in self.cache.keys() if id(key[0]) not in keep]
         retired = [r for r in self._code_kv if id(r) not in keep]
         if stale or retired:
@@ -214,16 +215,18 @@ class CudaGraphs:
             self.cache.drop(stale)
             for r in retired:
                 del self._code_kv[r]
-        self.runner = runner
+        self.runner, self._spec = spec.runner, spec
 
     @property
     def pool_tokens(self) -> int:
         return self._prompt_kv.tokens
 
     def keys(self) -> list:
-        """The prefill shapes and decode keys of the graphs held for the current runner,
-        least recently used first."""
-        return [key for runner, key in self.cache.keys() if runner is self.runner]
+        """The prefill shapes and decode keys of the graphs held for the spec in use (its
+        runner's prefills), least recently used first."""
+        return [
+            key for owner, key in self.cache.keys() if owner is self.runner or owner is self._spec
+        ]
 
     @property
     def captures(self) -> int:
@@ -386,4 +389,4 @@ class CudaGraphs:
                 if not _same_view(dst, src):  # an eagerly prefilled batch's, or the hidden
                     dst.copy_(src)
 
-        return self.cache.replay((self.runner, key), build, fill).outputs
+        return self.cache.replay((spec, key), build, fill).outputs

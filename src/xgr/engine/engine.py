@@ -142,10 +142,12 @@ class Engine:
         self._sid_token_ids_host = np.asarray(sid_token_ids).astype(np.int64)
         self.attention_backend = select_attention_backend(self.device, model.shared_kv_layout[2])
         self._version_options = (full_vocab, self.attention_backend, first_levels_together)
-        self._catalogs = {
-            name: ServedCatalog(name, self._build_version(1, items))
-            for name, items in catalogs.items()
-        }
+        self._catalogs: dict[str, ServedCatalog] = {}
+        for name, items in catalogs.items():
+            # Catalogs with the same first-level codes share the runner and its graphs.
+            others = [c.current.spec for c in self._catalogs.values()]
+            version = self._build_version(1, items, others[0] if others else None)
+            self._catalogs[name] = ServedCatalog(name, version)
         self.default_catalog = next(iter(self._catalogs))
         cuda_streams = positive_int("cuda_streams", cuda_streams)
         pipeline_depth = positive_int("pipeline_depth", pipeline_depth)
@@ -253,15 +255,18 @@ class Engine:
         device, as the default catalog's search reads it (-1: a code it cannot use)."""
         return self._current.spec.scorer.sid_token_ids
 
-    def _build_version(self, number: int, catalog: ItemCatalog) -> CatalogVersion:
-        """A catalog version's tables, its code map checked against it."""
+    def _build_version(
+        self, number: int, catalog: ItemCatalog, previous: DecodeSpec | None = None
+    ) -> CatalogVersion:
+        """A catalog version's tables, its code map checked against it; its runner that
+        of ``previous`` where they agree (``DecodeSpec.build``)."""
         table = validate_sid_token_ids(
             self._sid_token_ids_host, catalog, self.model.config.vocab_size
         )
         full_vocab, backend, together = self._version_options
         return CatalogVersion.build(
             number, catalog, self.model, torch.from_numpy(table).to(self.device), self.titles,
-            full_vocab, backend, together,
+            full_vocab, backend, together, previous,
         )  # fmt: skip
 
     def update_catalog(
@@ -305,7 +310,7 @@ class Engine:
                 items.check_compatible(
                     _record_of(current.catalog, only), "the catalog it replaces", only
                 )
-            return self._build_version(number, items)
+            return self._build_version(number, items, current.spec)
 
         version = served.publish(build)
         logger.info(
@@ -587,7 +592,7 @@ class Engine:
             if graphs is None:
                 return launch_semantic_ids(spec, tokenized, width, top_k, None, EAGER, masks, spans)
             with graphs.lock:
-                graphs.use_runner(runner, self._served_runners())
+                graphs.use(spec, self._served_specs())
                 return launch_semantic_ids(
                     spec, tokenized, width, top_k, graphs, plan(), masks, spans
                 )
@@ -595,13 +600,13 @@ class Engine:
         def needs_capture() -> bool:
             if graphs is None:
                 return False
-            return graphs.needs_capture(plan(), lens, runner)
+            return graphs.needs_capture(plan(), lens, spec)
 
         return self._lanes.run(lane, launch, needs_capture)
 
-    def _served_runners(self) -> list:
-        """The runners of the catalogs' current versions (whose graphs a lane keeps)."""
-        return [served.current.spec.runner for served in self._catalogs.values()]
+    def _served_specs(self) -> list[DecodeSpec]:
+        """The catalogs' current versions' specs (whose graphs a lane keeps)."""
+        return [served.current.spec for served in self._catalogs.values()]
 
     def warm_up(
         self,
@@ -648,12 +653,11 @@ class Engine:
         shortest = max(1, int(prompt_tokens * (1 - spread)))
         batches = (shortest, longest, max_batch_size)
         captured = 0
-        live = self._served_runners()
-        for served in self._catalogs.values():
-            spec = served.current.spec
+        live = self._served_specs()
+        for spec in live:
             for lane in self._lanes.lanes:
                 with lane.graphs.lock:
-                    lane.graphs.use_runner(spec.runner, live)
+                    lane.graphs.use(spec, live)
             captured += capture_lanes(spec, self._lanes.lanes, batches, beam_width, top_k)
         return captured
 

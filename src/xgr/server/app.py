@@ -15,9 +15,12 @@ from __future__ import annotations
 import asyncio
 import gc
 import hmac
+import sys
+import threading
 import time
 import uuid
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import numpy as np
@@ -66,6 +69,12 @@ BODY_NOT_PARSED = (
 )
 
 
+# How often the server's threads hand the interpreter lock to each other (s): Python's 5 ms
+# lets a CPU-bound thread (a catalog update building a million-item version) keep the event
+# loop and the batch threads waiting 5 ms at each turn, which stalls serving for the update.
+SWITCH_INTERVAL_S = 0.0005
+
+
 class AdminAuthError(XgrError):
     """A catalog admin request without the admin token (401)."""
 
@@ -97,6 +106,22 @@ def freeze_long_lived_objects() -> None:
     every request in the server then waits through."""
     gc.collect()
     gc.freeze()
+
+
+@contextmanager
+def built_without_collections() -> Iterator[None]:
+    """Run a catalog version's build with the garbage collector off, and freeze what it
+    made (as ``freeze_long_lived_objects``, without its full collection): a collection
+    during the build, or later over its million new objects, would hold the interpreter
+    for about 100 ms while requests wait."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if was_enabled:
+            gc.enable()
 
 
 async def client_gone(request: Request) -> None:
@@ -137,6 +162,8 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
+        switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         batcher.start()
         # /ready turns 200 only after one real generation: the first request pays no warm-up.
         for name, prompt in warm_ups:
@@ -148,6 +175,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         yield
         state["ready"] = False
         await batcher.stop(drain=True)  # uvicorn has stopped accepting: finish what came in
+        sys.setswitchinterval(switch_interval)
 
     app = FastAPI(
         title="xgr",
@@ -476,18 +504,21 @@ def add_catalog_admin(
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
             raise AdminAuthError("the catalog API needs the header Authorization: Bearer <token>")
 
-    def summary(name: str) -> CatalogSummary:
+    def summary(name: str, fingerprint: bool = False) -> CatalogSummary:
         version = engine.served_catalog(name).current
         catalog = version.catalog
         if metrics is not None:
             metrics.set_catalog_version(name, version.version)
         return CatalogSummary(
             catalog=name, catalog_version=version.version, num_items=len(catalog),
-            num_semantic_ids=catalog.num_semantic_ids, fingerprint=catalog.fingerprint,
+            num_semantic_ids=catalog.num_semantic_ids,
+            fingerprint=catalog.fingerprint if fingerprint else None,
             attributes=attribute_kinds(catalog),
         )  # fmt: skip
 
     admin = {401: _error("No or another admin token.")}
+
+    updating = threading.Lock()  # one update at a time: the collector is paused for it
 
     def named(request: Request) -> str:
         """The catalog a request names (``?catalog=``), after its authorization."""
@@ -496,18 +527,19 @@ def add_catalog_admin(
 
     @app.get("/v1/catalog", response_model=CatalogSummary, responses=admin)
     async def catalog_info(request: Request) -> Any:
-        return await asyncio.to_thread(summary, named(request))
+        return await asyncio.to_thread(summary, named(request), True)
 
     @app.post("/v1/catalog", response_model=CatalogSummary, responses={**admin, **POST_ERRORS})
     async def update_catalog(body: CatalogUpdateRequest, request: Request) -> Any:
         name = named(request)
 
         def update() -> CatalogSummary:
-            replace = None
-            if body.replace is not None:
-                codebook = engine.served_catalog(name).catalog.codebook_size
-                replace = ItemCatalog.from_index_dict(body.replace, codebook)
-            engine.update_catalog(body.add, body.remove, body.set_attributes, replace, name)
+            with updating, built_without_collections():
+                replace = None
+                if body.replace is not None:
+                    codebook = engine.served_catalog(name).catalog.codebook_size
+                    replace = ItemCatalog.from_index_dict(body.replace, codebook)
+                engine.update_catalog(body.add, body.remove, body.set_attributes, replace, name)
             return summary(name)
 
         return await asyncio.to_thread(update)
@@ -515,7 +547,12 @@ def add_catalog_admin(
     @app.post("/v1/catalog/rollback", response_model=CatalogSummary, responses=admin)
     async def rollback_catalog(request: Request) -> Any:
         name = named(request)
-        await asyncio.to_thread(engine.rollback_catalog, name)
+
+        def rollback() -> None:
+            with updating:
+                engine.rollback_catalog(name)
+
+        await asyncio.to_thread(rollback)
         return await asyncio.to_thread(summary, name)
 
 

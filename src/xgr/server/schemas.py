@@ -290,7 +290,10 @@ class CatalogSummary(BaseModel):
     catalog_version: int
     num_items: int
     num_semantic_ids: int
-    fingerprint: str
+    fingerprint: str | None = Field(
+        description="Digest of the item -> semantic ID map (GET; null in the answers of "
+        "updates and rollbacks, which it would hold up by a second per million items)."
+    )
     attributes: dict[str, str]
 
 
