@@ -12,10 +12,11 @@ from xgr.catalog.trie import PrefixTrie
 from xgr.runner import ModelRunner, runner_for
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class DecodeSpec:
     """The model's runner, the code scorer and the catalog's trie; compared by identity
-    (the decode graphs captured over one are kept under it).
+    (the decode graphs captured over one are kept under it), and shown as the object it
+    is (its tables are too large to print in a log line).
 
     Attributes:
         runner: the model family's passes (``xgr.runner``).

@@ -69,10 +69,11 @@ BODY_NOT_PARSED = (
 )
 
 
-# How often the server's threads hand the interpreter lock to each other (s): Python's 5 ms
-# lets a CPU-bound thread (a catalog update building a million-item version) keep the event
-# loop and the batch threads waiting 5 ms at each turn, which stalls serving for the update.
-SWITCH_INTERVAL_S = 0.0005
+# How often the server's threads hand the interpreter lock to each other (s). While a
+# CPU-bound thread runs (a catalog update building a million-item version), every socket
+# read or queue wait of the event loop and the batch threads costs one interval to get the
+# lock back: Python's 5 ms would stall serving for the whole update.
+SWITCH_INTERVAL_S = 0.0001
 
 
 class AdminAuthError(XgrError):
