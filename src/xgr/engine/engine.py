@@ -49,8 +49,6 @@ from xgr.models.sid_vocab import (
 
 logger = logging.getLogger(__name__)
 
-# Earlier catalog versions kept for rollbacks (each holds its trie on the device).
-
 
 # What recommend takes as a prompt: token ids, text, or an ``xgr.Prompt`` with embeddings.
 PromptLike = Sequence[int] | str | Prompt
@@ -66,7 +64,7 @@ class Engine:
             replay CUDA graphs, with Triton kernels for cross- and self-attention.
         catalog: the items served; or name -> catalog for several (markets, tenants), each
             with its own versions, device tables and rules, the first the default
-            (``catalogs``). One catalog is named ``DEFAULT_CATALOG``.
+            (``catalogs``). A single catalog is named ``"default"``.
         sid_token_ids: (num_levels, codebook_size) int array, vocabulary id of each code.
         tokenizer: optional ``tokenizers.Tokenizer`` for string prompts.
         name: model name reported by the server.
