@@ -54,6 +54,29 @@ def test_recommend_json_excludes_history(served_model_dir):
     assert all(i["title"] == f"Title of {i['item_id']}" for i in items)
 
 
+def test_recommend_from_one_of_several_catalogs(served_model_dir, tmp_path):
+    from xgr import ItemCatalog
+
+    us = ItemCatalog.from_index_json(served_model_dir / "catalog.index.json")
+    eu = ItemCatalog.from_codes(us.item_ids[150:], us.codes[150:], us.codebook_size)
+    eu.to_index_json(tmp_path / "eu.json")
+    common = ["recommend", "--model", str(served_model_dir), "--catalog",
+              f"us={served_model_dir / 'catalog.index.json'}", "--catalog",
+              f"eu={tmp_path / 'eu.json'}", "--history", "item200", "--beam-width", "16",
+              "--num-results", "5", "--json"]  # fmt: skip
+    eu_items = {
+        i["item_id"] for i in json.loads(run(*common, "--from-catalog", "eu").output)["items"]
+    }
+    assert eu_items and eu_items <= set(eu.item_ids)
+    us_items = {i["item_id"] for i in json.loads(run(*common).output)["items"]}
+    assert us_items - set(eu.item_ids)  # the default reaches items eu lacks
+    missing = run(*common[:-1], "--from-catalog", "asia")
+    assert missing.exit_code != 0 and "no catalog named 'asia'" in missing.output
+    served = run("recommend", "--server", "http://127.0.0.1:1", "--catalog", "x.json",
+                 "--history", "item3")  # fmt: skip
+    assert served.exit_code != 0 and "--from-catalog" in served.output
+
+
 def test_errors_are_messages_not_tracebacks(served_model_dir, tmp_path):
     model = str(served_model_dir)
     index = str(served_model_dir / "catalog.index.json")

@@ -44,3 +44,25 @@ def test_changed_data_and_missing_files_are_named(cache):
     (model / "xgr_prompt.json").unlink()
     with pytest.raises(XgrError, match="lacks xgr_prompt.json: delete"):
         check_demo_files(model, cache)
+
+
+def test_a_catalog_record_without_items_gets_them_once_its_files_check(cache):
+    from tests.conftest import random_catalog
+    from xgr.demo.build import CATALOG_INDEX_FILE
+
+    model = cache / "model-x"
+    catalog = random_catalog(30, 3, 8, seed=1)
+    catalog.to_index_json(model / CATALOG_INDEX_FILE)
+    old = {"fingerprint": catalog.fingerprint, "num_items": 30}  # a record of earlier builds
+    (model / "xgr_catalog.json").write_text(json.dumps(old))
+    check_demo_files(model, cache)  # digests recorded, then the record completed
+    record = json.loads((model / "xgr_catalog.json").read_text())
+    assert record["items"] == {i: catalog.codes[r].tolist() for r, i in enumerate(catalog.item_ids)}
+    check_demo_files(model, cache)  # its digest follows: still accepted
+    other = random_catalog(30, 3, 8, seed=2)  # a record of another catalog is left alone
+    (model / "xgr_catalog.json").write_text(json.dumps({"fingerprint": other.fingerprint}))
+    meta = json.loads((model / DEMO_METADATA_FILE).read_text())
+    del meta["digests"]
+    (model / DEMO_METADATA_FILE).write_text(json.dumps(meta))
+    check_demo_files(model, cache)
+    assert "items" not in json.loads((model / "xgr_catalog.json").read_text())

@@ -122,6 +122,8 @@ def test_attributes_follow_the_items_and_can_be_set(folder, tmp_path):
         ({"add": {"x": ["<a_1>", "<b_2>", "<d_3>"]}}, "levels"),
         ({"set_attributes": {"item1": {"colour": "red"}}}, "needs a catalog with attributes"),
         ({"remove": "item1"}, "remove must be a list"),
+        ({"remove": ["item1", "item2", "item1"]}, "items listed twice in remove: 'item1'"),
+        ({"add": {7: [1, 2, 3], "7": [1, 2, 4]}}, "add names an item twice"),
     ],
 )
 def test_a_refused_update_changes_nothing(folder, update, message):

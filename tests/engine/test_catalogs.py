@@ -130,6 +130,7 @@ def test_each_catalog_has_its_own_versions_and_rules(folder, tmp_path):
         ({"x" * 65: None}, "1-64 letters"),
         ({"-x": None}, "starting with a letter or digit"),
         ({"us": "catalog.json"}, "catalog 'us' must be an ItemCatalog"),
+        ({1: None}, "catalog names must be strings, got int"),
         ([("us", None)], "non-empty mapping"),
     ],
 )
@@ -196,3 +197,41 @@ def test_updates_of_one_catalog_leave_the_others_requests_alone(folder):
         same_results(got, want_us)
         assert all(r.catalog == "us" and r.catalog_version == 1 for r in got)
     assert engine.catalogs["eu"].version == 5
+
+
+def test_a_replacement_or_a_shared_object_is_never_changed_under_another_catalog(folder, tmp_path):
+    us, eu = two_catalogs()
+    for name, catalog in (("us", us), ("eu", eu)):
+        lines = ["item_id,price"] + [f"{i},{r if name == 'us' else 1000 + r}"
+                                     for r, i in enumerate(catalog.item_ids)]  # fmt: skip
+        (tmp_path / f"{name}.csv").write_text("\n".join(lines) + "\n")
+        catalog.load_attributes(tmp_path / f"{name}.csv")
+    engine = engine_on(folder, {"us": us, "eu": eu})
+    shared = ItemCatalog.from_codes(us.item_ids[100:150], us.codes[100:150], CODEBOOK)
+    engine.update_catalog(replace=shared, catalog="us")
+    engine.update_catalog(replace=shared, catalog="eu")
+    assert shared.attributes is None  # the caller's catalog is left as it was
+    price = engine.catalogs["us"].catalog.attributes.columns["price"]
+    eu_price = engine.catalogs["eu"].catalog.attributes.columns["price"]
+    assert price.values[0] == 100 and eu_price.values[0] == 1000  # item100 is eu's row 0
+    # A served version given back as a replacement, with new values: that version keeps its.
+    served = engine.catalogs["us"].catalog
+    engine.update_catalog(replace=served, set_attributes={"item100": {"price": 7}}, catalog="us")
+    assert served.attributes.columns["price"].values[0] == 100
+    engine.rollback_catalog(catalog="us")
+    assert engine.catalogs["us"].catalog.attributes.columns["price"].values[0] == 100
+    # One object under two names: attributes loaded into one do not reach the other.
+    loaded = us.attributes
+    twice = engine_on(folder, {"a": us, "b": us})
+    twice.served_catalog("a").catalog.load_attributes(tmp_path / "us.csv")
+    assert twice.served_catalog("a").catalog.attributes is not loaded
+    assert twice.served_catalog("b").catalog.attributes is loaded
+
+
+def test_history_prompt_takes_the_catalog_by_keyword(folder):
+    us, eu = two_catalogs()
+    engine = engine_on(folder, {"us": us, "eu": eu})
+    with pytest.raises(TypeError):
+        engine.history_prompt(["eu1"], False, "eu")
+    with pytest.raises(XgrError, match="truncate must be True or False"):
+        engine.history_prompt(["item1"], "eu")

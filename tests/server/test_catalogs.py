@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 
 from tests.conftest import live_server
 from tests.server.test_app import metric_values
-from xgr import Client, Engine, ItemCatalog
+from xgr import Client, Engine, ItemCatalog, XgrError
 from xgr.client import ServerError
 from xgr.server.app import create_app
 from xgr.server.config import ServerConfig
@@ -118,3 +118,38 @@ def test_the_client_picks_catalogs_and_reads_their_versions(served):
         assert client.recommend(["item3"], beam_width=16).catalog == "us"
         with pytest.raises(ServerError, match="no catalog named 'asia'"):
             client.complete([1, 2], n=2, catalog="asia")
+
+
+def test_query_parameters_and_repeated_keys_are_refused_not_ignored(served):
+    engine, _, client = served
+    versions = {name: s.version for name, s in engine.catalogs.items()}
+    for method, path, body in (
+        ("POST", "/v1/catalog?catlog=eu", {"remove": ["eu30"]}),
+        ("POST", "/v1/catalog?catalog=eu&catalog=us", {"remove": ["eu30"]}),
+        ("POST", "/v1/catalog/rollback?Catalog=eu", None),
+        ("GET", "/v1/catalog?catalog=eu&x=1", None),
+    ):
+        answer = client.request(method, path, headers=AUTH, json=body)
+        assert answer.status_code == 400, (path, answer.text)
+    for path, body in (
+        ("/v1/recommend?catalog=eu", {"history": ["item150"], **SEARCH}),
+        ("/v1/completions?catalog=eu", {"prompt": [1, 2], "n": 2}),
+    ):
+        answer = client.post(path, json=body)
+        assert answer.status_code == 400 and "takes no query parameters" in answer.json()["error"]
+    twice = b'{"remove": ["eu30"], "remove": ["eu31"]}'
+    answer = client.post("/v1/catalog?catalog=eu", headers={**AUTH, "content-type":
+                         "application/json"}, content=twice)  # fmt: skip
+    assert answer.status_code == 400 and "'remove' twice" in answer.json()["error"]
+    assert {name: s.version for name, s in engine.catalogs.items()} == versions
+
+
+def test_a_completion_names_each_choices_version(served):
+    _, _, client = served
+    answer = client.post("/v1/completions", json={"prompt": [[1, 11], [1, 12]], "n": 2}).json()
+    assert {c["catalog_version"] for c in answer["choices"]} == {answer["catalog_version"]}
+
+
+def test_admin_tokens_are_printable_ascii():
+    with pytest.raises(XgrError, match="printable ASCII"):
+        ServerConfig(admin_token="é" * 16)

@@ -357,8 +357,9 @@ class ItemCatalog:
                 raise XgrError(
                     f"catalog fingerprint {self.fingerprint} does not match "
                     f"{meta.get('fingerprint')} saved with {source}: the model was trained on "
-                    "another catalog (a record written with the items would accept new and "
-                    "removed ones)"
+                    "another catalog. A record of the training catalog's items accepts new and "
+                    "removed ones: write it with ItemCatalog.write_model_metadata(model_dir, "
+                    "sid_token_ids) from that catalog"
                 )
             return
         for key, mine in (

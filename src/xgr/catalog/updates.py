@@ -4,6 +4,8 @@ builds the version's device tables (``Engine.update_catalog``)."""
 
 from __future__ import annotations
 
+import copy
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,7 +51,8 @@ def apply_update(catalog: ItemCatalog, update: CatalogUpdate) -> ItemCatalog:
     if update.replace is not None:
         if update.add or update.remove:
             raise XgrError("replace takes the whole catalog: no add or remove beside it")
-        new = update.replace
+        # A copy: the caller's catalog (or a served version given back) is not changed.
+        new = copy.copy(update.replace)
         if new.attributes is None and catalog.attributes is not None:
             new.attributes = _carried(catalog, catalog.rows_of(new.item_ids))
     else:
@@ -63,17 +66,24 @@ def _added_and_removed(catalog: ItemCatalog, add: Mapping[str, Any], remove) -> 
     if isinstance(remove, str) or not isinstance(remove, Sequence):
         raise XgrError("remove must be a list of item ids")
     remove = [str(i) for i in remove]
+    if len(set(remove)) != len(remove):
+        twice = sorted(i for i, n in Counter(remove).items() if n > 1)
+        raise XgrError(f"items listed twice in remove: {_names(twice)}")
     missing = [i for i in remove if i not in catalog.item_index]
     if missing:
         raise XgrError(f"cannot remove items the catalog lacks: {_names(missing)}")
     if not isinstance(add, Mapping):
         raise XgrError("add must be an object of item id -> semantic ID")
+    given = len(add)
     add = {str(k): v for k, v in add.items()}
+    if len(add) != given:
+        raise XgrError("add names an item twice (ids that are the same as strings)")
     gone = set(remove)
     present = [i for i in add if i in catalog.item_index and i not in gone]
     if present:
         raise XgrError(
-            f"cannot add items the catalog has (remove them in the same update to move them): "
+            f"cannot add items the catalog has (to give one other codes, remove and add it in "
+            f"one update, where the model's training record allows the move): "
             f"{_names(present)}"
         )
     added = _codes_of(catalog, add)

@@ -53,6 +53,14 @@ def main(verbose: bool) -> None:
     help='Conditions on the item attributes (--attributes), as JSON, e.g. \'{"genre": "scifi"}\'.',
 )
 @click.option("--server", default=None, help="Ask a running `xgr serve` at this URL instead.")
+@click.option(
+    "--from-catalog",
+    "catalog_name",
+    default=None,
+    metavar="NAME",
+    help="The catalog to recommend from, by name, where several are served (--catalog "
+    "NAME=FILE, or the server's); default: the first.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def recommend(
     source,
@@ -62,6 +70,7 @@ def recommend(
     num_results,
     item_filter,
     server,
+    catalog_name,
     as_json,
 ) -> None:
     """Recommend items for one user's history."""
@@ -77,14 +86,19 @@ def recommend(
             raise click.BadParameter(f"not JSON: {exc}", param_hint="--filter") from exc
     started = time.perf_counter()
     if server is not None:
-        if source.given:
-            raise click.UsageError("--server asks a running server: drop --demo / --model")
+        if source.given or source.catalog_paths:
+            raise click.UsageError(
+                "--server asks a running server: drop --demo / --model / --catalog (pick one "
+                "of its catalogs with --from-catalog NAME)"
+            )
         from xgr.client import Client
 
         try:
             with Client(server) as client:
                 started = time.perf_counter()  # the request, not the client's set-up
-                result = client.recommend(list(history), **search, item_filter=item_filter)
+                result = client.recommend(
+                    list(history), **search, item_filter=item_filter, catalog=catalog_name
+                )
         except XgrError as exc:
             fail(exc)
         level_names = None
@@ -93,17 +107,19 @@ def recommend(
 
         engine = source.load()
         try:
-            resolved = resolve_history(engine.catalog, list(history), engine.title_index)
+            version = engine.served_catalog(catalog_name).current
+            resolved = resolve_history(version.catalog, list(history), version.title_index)
             started = time.perf_counter()
             (result,) = engine.recommend(
-                [engine.history_prompt(resolved.item_ids)],
+                [engine.history_prompt(resolved.item_ids, catalog=catalog_name)],
                 exclude_item_ids=[resolved.excluded],
                 item_filter=None if item_filter is None else [item_filter],
+                catalog=catalog_name,
                 **search,
             )
         except XgrError as exc:
             fail(exc)
-        level_names = engine.catalog.level_names
+        level_names = version.catalog.level_names
     elapsed_ms = (time.perf_counter() - started) * 1e3
     # Over HTTP the level letters are not sent back: the catalogs' usual a, b, c, ... are used.
     letters = level_names or DEFAULT_LEVEL_NAMES

@@ -216,7 +216,7 @@ def engine_options(func=None, *, demo_only: bool = False):
     ):  # fmt: skip
         catalogs = named_files(catalog_paths, "--catalog")
         attributes = named_files(attributes_paths, "--attributes")
-        names = [name for name, _ in catalogs]
+        names = [name or DEFAULT_CATALOG for name, _ in catalogs] or [DEFAULT_CATALOG]
         for name, path in attributes:
             if name is not None and name not in names:
                 raise click.UsageError(f"--attributes {name}={path}: no --catalog {name}=FILE")
@@ -257,8 +257,8 @@ def engine_options(func=None, *, demo_only: bool = False):
                 multiple=True,
                 metavar="[NAME=]FILE",
                 help="Catalog index JSON (default: the model folder's catalog.index.json). "
-                "Repeat it as NAME=FILE to serve several catalogs with the model, the first "
-                "the default; requests pick one by name.",
+                "Repeat it as NAME=FILE for several catalogs with the model, the first the "
+                "default (serve: requests pick one by name; recommend: --from-catalog).",
             ),
             click.option(
                 "--attributes",

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from xgr.catalog import ItemCatalog
+from xgr.catalog import CATALOG_METADATA_FILE, ItemCatalog
 from xgr.core import XgrError, read_json
 from xgr.demo.config import DemoConfig
 from xgr.demo.movielens import INTERACTIONS_FILE as MOVIELENS_INTERACTIONS
@@ -130,14 +130,33 @@ def check_demo_files(model_dir: Path, cache_dir: Path) -> None:
     recorded = meta.get("digests")
     if not isinstance(recorded, dict):
         _record_digests(model_dir, cache_dir, meta, quiet=True)
+    else:
+        current = _digests(model_dir, cache_dir)
+        changed = [name for name, digest in recorded.items() if current.get(name) != digest]
+        if changed:
+            raise XgrError(
+                f"{', '.join(changed)} changed since the demo model in {model_dir} was built "
+                f"(damaged or replaced): {rebuild}"
+            )
+    _add_items_to_catalog_record(model_dir, cache_dir, meta)
+
+
+def _add_items_to_catalog_record(model_dir: Path, cache_dir: Path, meta: dict) -> None:
+    """Give a demo folder built before catalog records held each item's semantic ID the
+    record of its own catalog (the one it was trained on: the fingerprints match), so that
+    other catalogs of the model are checked by rule, not refused; its digests follow. A
+    read-only cache, or a record that does not match, is left as it is."""
+    try:
+        record = read_json(model_dir / CATALOG_METADATA_FILE)
+        if not isinstance(record, dict) or "items" in record:
+            return
+        catalog = ItemCatalog.from_index_json(model_dir / CATALOG_INDEX_FILE)
+        if record.get("fingerprint") != catalog.fingerprint:
+            return  # loading it refuses the folder, naming the mismatch
+        catalog.write_model_metadata(model_dir)
+    except (OSError, ValueError, XgrError):
         return
-    current = _digests(model_dir, cache_dir)
-    changed = [name for name, digest in recorded.items() if current.get(name) != digest]
-    if changed:
-        raise XgrError(
-            f"{', '.join(changed)} changed since the demo model in {model_dir} was built "
-            f"(damaged or replaced): {rebuild}"
-        )
+    _record_digests(model_dir, cache_dir, meta, quiet=True)
 
 
 def _digests(model_dir: Path, cache_dir: Path) -> dict[str, str]:

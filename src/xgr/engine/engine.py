@@ -365,7 +365,7 @@ class Engine:
         return self.runner.max_prompt_tokens
 
     def history_prompt(
-        self, history: Sequence[Any], truncate: bool = False, catalog: str | None = None
+        self, history: Sequence[Any], truncate: bool = False, *, catalog: str | None = None
     ) -> list[int]:
         """The prompt (token ids) for a history of item ids, oldest first.
 
@@ -376,8 +376,11 @@ class Engine:
             catalog: the catalog's name (None: the default).
 
         Raises:
-            XgrError: empty history, unknown item ids or an unknown catalog.
+            XgrError: empty history, unknown item ids, an unknown catalog, or ``truncate``
+                not a bool.
         """
+        if not isinstance(truncate, bool):
+            raise XgrError(f"truncate must be True or False, got {truncate!r}")
         limit = self.max_prompt_tokens if truncate else None
         items = self.served_catalog(catalog).current.catalog
         return self.prompt_format.build(history, items, self._sid_token_ids_host, limit)

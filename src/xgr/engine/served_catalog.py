@@ -3,6 +3,7 @@ returns to, and the lock that lets one update build at a time (``ServedCatalog``
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -96,12 +97,19 @@ def named_catalogs(catalog: Any) -> dict[str, ItemCatalog]:
             "catalog must be an ItemCatalog or a non-empty mapping of names to catalogs, got "
             f"{type(catalog).__name__}"
         )
+    seen: set[int] = set()
+    named = {}
     for name, items in catalogs.items():
-        if not isinstance(name, str) or not CATALOG_NAME.fullmatch(name):
+        if not isinstance(name, str):
+            raise XgrError(f"catalog names must be strings, got {type(name).__name__} {name!r}")
+        if not CATALOG_NAME.fullmatch(name):
             raise XgrError(
                 f"catalog name {str(name)[:80]!r} must be 1-64 letters, digits, '_', '.' or "
                 "'-', starting with a letter or digit"
             )
         if not isinstance(items, ItemCatalog):
             raise XgrError(f"catalog {name!r} must be an ItemCatalog, got {type(items).__name__}")
-    return dict(catalogs)
+        # One object under two names would share its attributes and later changes.
+        named[name] = copy.copy(items) if id(items) in seen else items
+        seen.add(id(items))
+    return named

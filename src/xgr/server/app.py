@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import hmac
+import json
 import sys
 import threading
 import time
@@ -331,6 +332,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
     @app.post("/v1/recommend", response_model=RecommendResponse, responses=POST_ERRORS)
     async def recommend(body: RecommendRequest, http_request: Request) -> Any:
+        refuse_query(http_request)
         arrived = time.perf_counter()
         top_k = body.top_k or body.beam_width
         check_search(body.beam_width, top_k, body.num_results)
@@ -351,7 +353,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             history = resolve_history(version.catalog, body.history, version.title_index)
             items = history.item_ids
             prompt = engine.token_ids(
-                engine.history_prompt(items, body.truncate_history, served.name)
+                engine.history_prompt(items, body.truncate_history, catalog=served.name)
             )
             if body.prompt_embeds is not None:
                 spans = decode_spans(body.prompt_embeds, engine.max_prompt_tokens)
@@ -412,6 +414,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         responses={**POST_ERRORS, 404: _error("Unknown model.")},
     )
     async def completions(body: CompletionRequest, http_request: Request) -> Any:
+        refuse_query(http_request)
         check_model(engine, body.model)
         if not body.use_beam_search:
             raise XgrError("use_beam_search must be true: xgr decodes by beam search only")
@@ -470,6 +473,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         responses={**POST_ERRORS, 404: _error("Unknown model.")},
     )
     async def chat_completions(body: ChatCompletionRequest, http_request: Request) -> Any:
+        refuse_query(http_request)
         check_model(engine, body.model)
         check_max_tokens(engine, body.max_tokens)
         beam_width = completion_beam(config, body.n, body.beam_width)
@@ -503,7 +507,10 @@ def add_catalog_admin(
     def authorize(request: Request) -> None:
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
-            raise AdminAuthError("the catalog API needs the header Authorization: Bearer <token>")
+            raise AdminAuthError(
+                "the catalog API needs the header Authorization: Bearer <token>, with the "
+                "server's admin token"
+            )
 
     def summary(name: str, fingerprint: bool = False) -> CatalogSummary:
         version = engine.served_catalog(name).current
@@ -522,9 +529,18 @@ def add_catalog_admin(
     updating = threading.Lock()  # one update at a time: the collector is paused for it
 
     def named(request: Request) -> str:
-        """The catalog a request names (``?catalog=``), after its authorization."""
+        """The catalog a request names (``?catalog=``), after its authorization.
+
+        Raises:
+            XgrError: another query parameter, or ``catalog`` given twice (a write must not
+                land on the default catalog by a typo).
+        """
         authorize(request)
-        return engine.served_catalog(request.query_params.get("catalog")).name
+        refuse_query(request, allowed="catalog")
+        names = request.query_params.getlist("catalog")
+        if len(names) > 1:
+            raise XgrError(f"?catalog= is given {len(names)} times: name one catalog")
+        return engine.served_catalog(names[0] if names else None).name
 
     @app.get("/v1/catalog", response_model=CatalogSummary, responses=admin)
     async def catalog_info(request: Request) -> Any:
@@ -534,14 +550,17 @@ def add_catalog_admin(
     async def update_catalog(body: CatalogUpdateRequest, request: Request) -> Any:
         name = named(request)
 
+        refuse_duplicate_keys(await request.body())
+
         def update() -> CatalogSummary:
-            with updating, built_without_collections():
-                replace = None
-                if body.replace is not None:
-                    codebook = engine.served_catalog(name).catalog.codebook_size
-                    replace = ItemCatalog.from_index_dict(body.replace, codebook)
-                engine.update_catalog(body.add, body.remove, body.set_attributes, replace, name)
-            return summary(name)
+            with updating:  # the answer describes this update's version
+                with built_without_collections():
+                    replace = None
+                    if body.replace is not None:
+                        codebook = engine.served_catalog(name).catalog.codebook_size
+                        replace = ItemCatalog.from_index_dict(body.replace, codebook)
+                    engine.update_catalog(body.add, body.remove, body.set_attributes, replace, name)
+                return summary(name)
 
         return await asyncio.to_thread(update)
 
@@ -549,12 +568,50 @@ def add_catalog_admin(
     async def rollback_catalog(request: Request) -> Any:
         name = named(request)
 
-        def rollback() -> None:
+        def rollback() -> CatalogSummary:
             with updating:
                 engine.rollback_catalog(name)
+                return summary(name)
 
-        await asyncio.to_thread(rollback)
-        return await asyncio.to_thread(summary, name)
+        return await asyncio.to_thread(rollback)
+
+
+def refuse_query(request: Request, allowed: str | None = None) -> None:
+    """Refuse query parameters other than ``allowed``: the API reads its requests' bodies,
+    and a parameter it ignored (``?catalog=eu`` on a search) would silently mean another
+    request.
+
+    Raises:
+        XgrError: naming the parameters (400).
+    """
+    extra = sorted({k for k in request.query_params if k != allowed})
+    if extra:
+        takes = f"only ?{allowed}=" if allowed else "no query parameters"
+        raise XgrError(f"{request.url.path} takes {takes}; got {', '.join(extra)[:200]}")
+
+
+def refuse_duplicate_keys(body: bytes) -> None:
+    """Refuse a JSON body in which an object names a key twice (the parser would keep the
+    last silently: an item added twice, or two ``remove`` lists of which one is lost).
+
+    Raises:
+        XgrError: naming the key (400).
+    """
+
+    def pairs(items: list[tuple[str, Any]]) -> dict:
+        found = dict(items)
+        if len(found) != len(items):
+            seen: set[str] = set()
+            twice = next(k for k, _ in items if k in seen or seen.add(k))
+            raise XgrError(f"the request body names {twice[:80]!r} twice in one object")
+        return found
+
+    try:
+        json.loads(body, object_pairs_hook=pairs)
+    except XgrError:
+        raise
+    except ValueError:
+        pass  # the schema's validation has already answered malformed JSON
 
 
 def attribute_kinds(catalog: ItemCatalog) -> dict[str, str]:

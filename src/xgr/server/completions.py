@@ -66,6 +66,7 @@ def completion_response(
                     if logprobs
                     else None,
                     finish_reason="length",
+                    catalog_version=result.catalog_version,
                 )
             )
             generated += catalog.num_levels

@@ -58,10 +58,13 @@ class ServerConfig:
             raise XgrError("ServerConfig.default_beam_width exceeds max_beam_width")
         token = self.admin_token
         if token is not None and (
-            not isinstance(token, str) or len(token) < 16 or not token.isprintable() or " " in token
+            not isinstance(token, str)
+            or len(token) < 16
+            or not (token.isascii() and token.isprintable())
+            or " " in token
         ):
             raise XgrError(
-                "the admin token must be at least 16 printable characters without spaces"
+                "the admin token must be at least 16 printable ASCII characters without spaces"
             )
 
 

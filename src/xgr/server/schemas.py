@@ -193,6 +193,9 @@ class CompletionChoice(BaseModel):
     score: float
     logprobs: Logprobs | None = None
     finish_reason: Literal["length"]
+    catalog_version: int = Field(
+        1, description="The catalog version this choice's prompt was searched on."
+    )
 
 
 class Usage(BaseModel):
@@ -209,7 +212,11 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: Usage
     catalog: str
-    catalog_version: int = 1
+    catalog_version: int = Field(
+        1,
+        description="The catalog version searched; the lowest of the choices' where the "
+        "prompts ran in batches on different versions (an update in between).",
+    )
 
 
 class ChatMessage(BaseModel):
