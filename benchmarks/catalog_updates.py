@@ -33,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE))
 
-from http_serving import SPREAD, build_engine, free_port  # noqa: E402
+from http_serving import SPREAD, build_engine, start_child_server  # noqa: E402
 from timing import run_environment  # noqa: E402
 
 from xgr.bench import http_load  # noqa: E402
@@ -66,21 +66,7 @@ def server_role(args) -> None:
 
 
 def start_server(args, log: Path) -> tuple[subprocess.Popen, int]:
-    port = free_port()
-    command = [sys.executable, __file__, "--role", "server", "--port", str(port), *child_args(args)]
-    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    end = time.time() + 900
-    while time.time() < end:
-        if process.poll() is not None:
-            raise SystemExit(f"the server exited ({process.returncode}): see {log}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1) as r:
-                if r.status == 200:
-                    return process, port
-        except OSError:
-            time.sleep(0.5)
-    process.kill()
-    raise SystemExit("the server did not become ready within 900 s")
+    return start_child_server(__file__, child_args(args), log, timeout_s=900)
 
 
 def child_args(args) -> list[str]:
@@ -125,8 +111,9 @@ def window(outcomes, start: float, stop: float) -> dict:
     return {"from_s": start, "to_s": stop, **stats, "max_ms": max(ok) if ok else None}
 
 
-async def under_load(port: int, args, rate: float, requests: list[bytes]) -> dict:
-    update, removed = the_update(args)
+async def under_load(
+    port: int, args, rate: float, requests: list[bytes], update: dict, removed: list[str]
+) -> dict:
     probe_body = json.loads(requests[0].split(b"\r\n\r\n", 1)[1])
     pool = http_load.Pool("127.0.0.1", port, timeout=30.0)
     marks = {}
@@ -203,11 +190,11 @@ def main() -> None:
     log = Path(args.output).with_suffix(".server.log")
     process, port = start_server(args, log)
     try:
-        _, removed = the_update(args)
+        update, removed = the_update(args)
         requests = http_load.request_bytes("127.0.0.1", port, kept_bodies(args, removed))
         full = asyncio.run(capacity(port, requests, 4.0 if args.tiny else 8.0))
         print(f"capacity {full:.1f} answers/s at {CAPACITY_CONNECTIONS} connections", flush=True)
-        result = asyncio.run(under_load(port, args, args.load * full, requests))
+        result = asyncio.run(under_load(port, args, args.load * full, requests, update, removed))
     finally:
         process.terminate()
         process.wait(30)

@@ -149,13 +149,18 @@ def free_port() -> int:
 
 
 def start_server(args, max_queue: int, log: Path):
+    return start_child_server(__file__, ["--max-queue", str(max_queue), *child_args(args)], log)
+
+
+def start_child_server(
+    script: str, options: list[str], log: Path, timeout_s: float = 600
+) -> tuple[subprocess.Popen, int]:
+    """``script --role server --port PORT *options`` in a child process, its output in
+    ``log``, once its ``/ready`` answers 200; the process and its port."""
     port = free_port()
-    command = [
-        sys.executable, __file__, "--role", "server", "--port", str(port),
-        "--max-queue", str(max_queue), *child_args(args),
-    ]  # fmt: skip
+    command = [sys.executable, script, "--role", "server", "--port", str(port), *options]
     process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    end = time.time() + 600
+    end = time.time() + timeout_s
     while time.time() < end:
         if process.poll() is not None:
             raise SystemExit(f"the server exited ({process.returncode}): see {log}")
@@ -166,7 +171,7 @@ def start_server(args, max_queue: int, log: Path):
         except OSError:
             time.sleep(0.5)
     process.kill()
-    raise SystemExit("the server did not become ready within 600 s")
+    raise SystemExit(f"the server did not become ready within {timeout_s:g} s")
 
 
 def child_args(args) -> list[str]:
