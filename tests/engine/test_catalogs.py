@@ -235,3 +235,21 @@ def test_history_prompt_takes_the_catalog_by_keyword(folder):
         engine.history_prompt(["eu1"], False, "eu")
     with pytest.raises(XgrError, match="truncate must be True or False"):
         engine.history_prompt(["item1"], "eu")
+
+
+def test_an_older_record_is_completed_by_the_catalog_matching_its_fingerprint(folder, tmp_path):
+    import json
+
+    us, eu = two_catalogs()
+    older = tmp_path / "older"
+    shutil.copytree(folder, older)
+    (older / "xgr_catalog.json").write_text(json.dumps({"fingerprint": us.fingerprint}))
+    engine = engine_on(older, {"us": us, "eu": eu})  # eu: new and removed items, by rule
+    assert engine.training_record["items"][us.item_ids[0]] == us.codes[0].tolist()
+    codes = eu.codes.copy()
+    codes[0] = (codes[0] + 1) % CODEBOOK
+    moved = ItemCatalog.from_codes(eu.item_ids, codes, CODEBOOK)
+    with pytest.raises(XgrError, match=rf"catalog 'eu': .*{eu.item_ids[0]!r}"):
+        engine_on(older, {"us": us, "eu": moved})
+    with pytest.raises(XgrError, match="^catalog fingerprint .* does not match"):
+        engine_on(older, {"eu": eu})  # none matches: the older record's refusal

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,14 +40,17 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return parsed
 
 
-def check_catalog_compatible(model_dir: Path, catalog: ItemCatalog) -> dict | None:
-    """Refuse a catalog the model saved beside it was not trained for
+def check_catalogs_compatible(model_dir: Path, catalogs: Mapping[str, ItemCatalog]) -> dict | None:
+    """Refuse catalogs the model saved beside it was not trained for
     (``ItemCatalog.check_compatible``); returns the saved record (None without one).
 
+    An older record holds only the training catalog's fingerprint: a catalog that matches it
+    is that catalog, and gives the items the others are checked against by rule.
+
     Raises:
-        XgrError: the catalog disagrees with the record, or the record is unreadable. A
-            folder with no record is accepted (and logged), since plain HF checkpoints
-            carry none.
+        XgrError: a catalog disagrees with the record (named where there are several), or
+            the record is unreadable. A folder with no record is accepted (and logged),
+            since plain HF checkpoints carry none.
     """
     path = model_dir / CATALOG_METADATA_FILE
     if not path.exists():
@@ -58,9 +62,16 @@ def check_catalog_compatible(model_dir: Path, catalog: ItemCatalog) -> dict | No
             raise ValueError("not a JSON object")
     except (OSError, ValueError, AttributeError) as exc:
         raise XgrError(f"cannot read {path}: {exc!r}") from exc
-    catalog.check_compatible(meta, f"the model in {path}")
-    if "items" not in meta:  # an older record: its fingerprint matched, so this is the catalog
-        meta = {**meta, **catalog.model_record()}
+    if "items" not in meta:
+        fingerprint = meta.get("fingerprint")
+        trained = next((c for c in catalogs.values() if c.fingerprint == fingerprint), None)
+        if trained is not None:
+            meta = {**meta, **trained.model_record()}
+    for name, catalog in catalogs.items():
+        try:
+            catalog.check_compatible(meta, f"the model in {path}")
+        except XgrError as exc:
+            raise XgrError(f"catalog {name!r}: {exc}" if len(catalogs) > 1 else str(exc)) from None
     return meta
 
 
@@ -151,11 +162,7 @@ def _load(model_dir, catalog, device, dtype, sid_token_ids) -> dict[str, Any]:
             raise XgrError(f"no catalog given and {path} does not exist")
         catalog = ItemCatalog.from_index_json(path)
     catalogs = named_catalogs(catalog)
-    for name, items in catalogs.items():
-        try:
-            meta = check_catalog_compatible(model_dir, items)
-        except XgrError as exc:
-            raise XgrError(f"catalog {name!r}: {exc}" if len(catalogs) > 1 else str(exc)) from None
+    meta = check_catalogs_compatible(model_dir, catalogs)
     model = load_model(model_dir, device, dtype)
     if sid_token_ids is None:  # found by the codes' names: for the widest codebook
         widest = max(catalogs.values(), key=lambda c: c.codebook_size)

@@ -586,7 +586,11 @@ def refuse_query(request: Request, allowed: str | None = None) -> None:
     """
     extra = sorted({k for k in request.query_params if k != allowed})
     if extra:
-        takes = f"only ?{allowed}=" if allowed else "no query parameters"
+        takes = (
+            f"only ?{allowed}="
+            if allowed
+            else "no query parameters (its options, such as catalog, go in the JSON body)"
+        )
         raise XgrError(f"{request.url.path} takes {takes}; got {', '.join(extra)[:200]}")
 
 
