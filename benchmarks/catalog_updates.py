@@ -7,7 +7,8 @@ update that adds and removes items, and the time until the new version serves.
 3. Poisson load at ``--load`` x capacity for ``--duration`` s; at ``--update-at`` s one
    ``POST /v1/catalog`` adds ``--changes`` new items and removes as many. Its answer is the
    new version being served (the next batches search it); a probe request right after
-   checks that the answer names it and holds no removed item.
+   checks that the answer names it and holds no removed item. The update's graphs are
+   captured before its answer (each capture's time is read from the server's log).
 4. Windows by each request's scheduled start: before the update, during it (from the POST
    until one second after its answer), and after: requests, statuses (lost = no answer),
    P50 / P99 / max latency of the 200s.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import time
@@ -41,6 +43,11 @@ from xgr.bench.serve import LATENCY_BUDGET_MS, history_sampler  # noqa: E402
 
 TOKEN = "benchmark-admin-token-0123456789"
 CAPACITY_CONNECTIONS = 32
+CAPTURE_LINE = re.compile(
+    r"([0-9.]+) xgr\.engine\.graph_cache captured CUDA graph .* in ([0-9.]+) ms "
+    r"\(warm-up run ([0-9.]+) ms\)"
+)
+TIMELINE_S = 0.5  # P99 of the requests started in each interval this long
 SETTLE_S = 1.0  # after the update's answer, still counted as during it
 
 
@@ -122,7 +129,7 @@ async def under_load(
         await asyncio.sleep(args.update_at)
         marks["post"], marks["post_wall"] = time.perf_counter(), time.time()
         marks["answer"] = await asyncio.to_thread(call, port, "POST", "/v1/catalog", update)
-        marks["served"] = time.perf_counter()
+        marks["served"], marks["served_wall"] = time.perf_counter(), time.time()
         probe = await asyncio.to_thread(call, port, "POST", "/v1/recommend", probe_body)
         marks["probe"] = probe
 
@@ -135,6 +142,7 @@ async def under_load(
     probe = marks["probe"]
     return {
         "post_wall": marks["post_wall"],
+        "served_wall": marks["served_wall"],
         "rate": rate,
         "update": {
             "added": args.changes,
@@ -153,7 +161,29 @@ async def under_load(
         "during": window(outcomes, post, served + SETTLE_S),
         "after": window(outcomes, served + SETTLE_S, args.duration),
         "lost_reasons": pool.lost,
+        "timeline": [
+            {"from_s": t, "requests": len(chosen), "p99_ms": p99(chosen)}
+            for t in np.arange(0.0, args.duration, TIMELINE_S).round(3).tolist()
+            if (chosen := [o for o in outcomes if t <= o.start < t + TIMELINE_S])
+        ],
     }
+
+
+def p99(outcomes) -> float | None:
+    ok = [o.latency * 1e3 for o in outcomes if o.status == 200]
+    return round(float(np.percentile(ok, 99)), 1) if ok else None
+
+
+def logged_captures(log: Path) -> list[dict]:
+    """The server's graph captures from its log: wall-clock time (s), duration and warm-up
+    run (ms)."""
+    found = []
+    for line in log.read_text().splitlines():
+        match = CAPTURE_LINE.match(line)
+        if match:
+            at, ms, warm = map(float, match.groups())
+            found.append({"at": at, "ms": ms, "warm_up_ms": warm})
+    return found
 
 
 async def capacity(port: int, requests: list[bytes], seconds: float) -> float:
@@ -198,15 +228,17 @@ def main() -> None:
     finally:
         process.terminate()
         process.wait(30)
-    # Graphs captured after the update: the new version's batches capture their own.
-    captured = [
-        float(line.split()[0]) for line in log.read_text().splitlines()
-        if "captured CUDA graph" in line and line.split()[0].replace(".", "").isdigit()
-    ]  # fmt: skip
-    posted = result.pop("post_wall")
-    after = [t - posted for t in captured if t >= posted]
-    result["update"]["graphs_captured_after"] = len(after)
-    result["update"]["last_capture_after_s"] = max(after, default=None)
+    # Graphs captured after the POST: ahead of the swap (before its answer), and by the new
+    # version's batches after it.
+    posted, served = result.pop("post_wall"), result.pop("served_wall")
+    captures = [c for c in logged_captures(log) if c["at"] >= posted]
+    for c in captures:
+        c["at_s"] = round(c.pop("at") - posted, 3)
+    ahead = [c for c in captures if c["at_s"] <= served - posted]
+    result["update"]["graphs_captured_ahead"] = len(ahead)
+    result["update"]["graphs_captured_after_served"] = len(captures) - len(ahead)
+    result["update"]["last_capture_after_s"] = max((c["at_s"] for c in captures), default=None)
+    result["update"]["captures"] = captures
     report = {
         "benchmark": "a catalog update under load over HTTP",
         **run_environment("cpu" if args.tiny else "cuda"),
@@ -227,9 +259,12 @@ def main() -> None:
         f"update +{update['added']} -{update['removed']}: new version {update['new_version']} "
         f"serves {update['until_new_version_serves_s']:.2f} s after the POST; probe saw "
         f"version {update['probe_catalog_version']}, removed items in it: "
-        f"{update['probe_holds_removed_items']}; {update['graphs_captured_after']} graphs "
-        f"captured after it, the last {update['last_capture_after_s']} s after"
+        f"{update['probe_holds_removed_items']}; graphs captured ahead "
+        f"{update['graphs_captured_ahead']}, after {update['graphs_captured_after_served']}"
     )
+    if update["captures"]:
+        times = [c["ms"] for c in update["captures"]]
+        print(f"captures: {min(times):.1f}-{max(times):.1f} ms each, {sum(times):.0f} ms in all")
     print(f"{'window':<8}{'requests':>9}{'ok':>7}{'P50 ms':>9}{'P99 ms':>9}{'max ms':>9}  statuses")
     for name in ("before", "during", "after", "all"):
         w = result[name]

@@ -500,3 +500,61 @@ def test_the_fingerprint_is_the_digest_of_one_json_line_per_item_by_id():
     for row in sorted(range(len(ids)), key=ids.__getitem__):
         digest.update((json.dumps([ids[row], codes[row].tolist()]) + "\n").encode())
     assert catalog.fingerprint == "sha256:" + digest.hexdigest()
+
+
+def _changed_by_rule(ids, codes, removed_rows, added_ids, added_codes):
+    """``ItemCatalog.changed``'s rows, stated directly: removed rows taken by the added items
+    in order, the rest appended, or the items past the new end moved, in order, into the
+    rows still free."""
+    rows = [(i, tuple(c)) for i, c in zip(ids, codes, strict=True)]
+    holes = sorted(removed_rows)
+    new = list(zip(added_ids, map(tuple, added_codes), strict=True))
+    for hole in holes:
+        rows[hole] = new.pop(0) if new else None
+    rows += new
+    size = sum(r is not None for r in rows)
+    tail = [r for r in rows[size:] if r is not None]  # in order, into the free rows below
+    rows = rows[:size]
+    for row in range(size):
+        if rows[row] is None:
+            rows[row] = tail.pop(0)
+    return rows
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.integers(1, 30).flatmap(
+        lambda n: st.tuples(
+            st.just(n),
+            st.lists(st.integers(0, n - 1), unique=True, max_size=n),
+            st.integers(0, 12),
+            st.integers(0, 2**31),
+        )
+    )
+)
+def test_changed_keeps_rows_in_place_and_matches_the_rule(case):
+    n, removed, num_added, seed = case
+    rng = np.random.default_rng(seed)
+    catalog = ItemCatalog.from_codes([f"i{k}" for k in range(n)], rng.integers(0, 4, (n, 2)), 4)
+    added_ids = [f"new{k}" for k in range(num_added)]
+    added_codes = rng.integers(0, 4, (num_added, 2))
+    if len(removed) == n and not num_added:
+        with pytest.raises(XgrError, match="empty"):
+            catalog.changed(np.array(removed), added_ids, added_codes)
+        return
+    new, source = catalog.changed(np.array(removed, dtype=np.int64), added_ids, added_codes)
+    want = _changed_by_rule(catalog.item_ids, catalog.codes, removed, added_ids, added_codes)
+    assert list(zip(new.item_ids, map(tuple, new.codes.tolist()), strict=True)) == want
+    assert new.item_index == {item: row for row, item in enumerate(new.item_ids)}
+    assert [catalog.item_ids[s] if s >= 0 else None for s in source] == [
+        None if i.startswith("new") else i for i in new.item_ids
+    ]
+    # Derived tables as a catalog built from scratch has them.
+    direct = ItemCatalog.from_codes(new.item_ids, new.codes, 4)
+    np.testing.assert_array_equal(new.semantic_ids, direct.semantic_ids)
+    np.testing.assert_array_equal(new.sid_of_item, direct.sid_of_item)
+    for sid in range(direct.num_semantic_ids):
+        assert new.items_of_semantic_id(sid) == direct.items_of_semantic_id(sid)
+    assert new.fingerprint == direct.fingerprint
+    # The original is unchanged.
+    assert catalog.item_index == {f"i{k}": k for k in range(n)} and len(catalog) == n

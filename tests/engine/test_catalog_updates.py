@@ -59,7 +59,13 @@ def test_each_version_searches_as_an_engine_built_on_it(folder, device):
     kept = [i for i in catalog.item_ids if i not in removed]
     rows = [catalog.item_index[i] for i in kept]
     codes = np.concatenate([catalog.codes[rows], [[15, 15, 15], [0, 1, 2], catalog.codes[10]]])
-    direct = engine_on(folder, ItemCatalog.from_codes([*kept, *added], codes, CODEBOOK), device)
+    # Kept items keep their rows; the added ones take the removed ones' rows.
+    served = engine.catalog
+    assert dict(zip(served.item_ids, served.codes.tolist(), strict=True)) == dict(
+        zip([*kept, *added], codes.tolist(), strict=True)
+    )
+    assert all(served.item_ids[catalog.item_index[i]] == i for i in kept[:-len(removed)])
+    direct = engine_on(folder, ItemCatalog.from_codes(served.item_ids, served.codes, CODEBOOK), device)
     second = engine.recommend(PROMPTS, **SEARCH)
     assert all(r.catalog_version == 2 for r in second)
     same_results(second, direct.recommend(PROMPTS, **SEARCH))

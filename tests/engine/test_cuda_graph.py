@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import weakref
@@ -12,12 +13,14 @@ import torch
 
 from tests.conftest import random_catalog, sequential_sid_map, write_random_t5
 from xgr import Engine
+from xgr.catalog.rules import ItemRules
 from xgr.engine.cuda_graph import CudaGraphs
 from xgr.engine.generate import launch_semantic_ids
 from xgr.engine.graph_cache import GraphCache
 from xgr.engine.graph_keys import MAX_GRAPH_WORKSPACE_BYTES, DecodeGraphKey
 from xgr.engine.inputs import prepare_inputs
-from xgr.engine.warm_up import warm_up_batches
+from xgr.engine.lanes import Lane, Lanes
+from xgr.engine.warm_up import capture_ahead, warm_up_batches
 from xgr.kernels.prefill_attention import prefill_attention_reference
 from xgr.layers import attention as attention_layers
 from xgr.models import CausalLM
@@ -324,6 +327,50 @@ def test_a_limit_change_rebuilds_the_staging_once_even_for_eager_prefills(model_
         assert torch.equal(got.sid_index, want.sid_index)
         assert not graphs.needs_capture(plan, [3, 2], engine.decode_spec)
     assert graphs.captures == 2  # the decode graph, then again after the rebuild
+
+
+def test_capture_ahead_leaves_a_new_versions_batches_nothing_to_capture(model_dirs, monkeypatch):
+    """The decode graphs of a catalog version about to be served, captured from the batch
+    shapes of the current one (with item rules too): its batches then replay them (the
+    prefill graphs shared, the first-level codes unchanged) and equal eager runs over it."""
+    engine = _interpreted_engine(model_dirs["qwen2"], 40, monkeypatch)
+    graphs = CudaGraphs(engine.runner, max_requests=4)
+    lanes = Lanes(engine.runner, torch.device("cpu"))
+    lanes.lanes = (Lane(0, None, graphs),)
+    batches = [([[3, 4, 5], [6, 7]], False), ([[9, 10, 11, 12]], False), ([[5, 6]], True)]
+
+    def launch(version, prompts, filtered, graphs):
+        rules = [ItemRules(exclude=np.arange(0, 300, 7))] * len(prompts)
+        masks = functools.partial(version.masks.masks, rules) if filtered else None
+        return launch_semantic_ids(version.spec, prompts, 8, 8, graphs, None, masks).wait()
+
+    old = engine.served_catalog().current
+    graphs.use(old.spec)
+    for prompts, filtered in batches:
+        launch(old, prompts, filtered, graphs)
+    decode_keys = [key for key in graphs.keys() if isinstance(key, DecodeGraphKey)]
+    assert [len(lens) for _, lens in graphs.decode_batches(old.spec)] == [1, 1, 2]  # latest first
+    assert engine.update_catalog(
+        add={"new": [f"<{n}_{c}>" for n, c in zip("abc", [15, 14, 13], strict=True)]},
+        remove=engine.catalog.item_ids[:5],
+    ) == 2  # fmt: skip
+    new = engine.served_catalog().current
+    assert new.spec.runner is old.spec.runner
+    before = graphs.captures
+    live = lambda: [old.spec, new.spec]  # noqa: E731
+    assert capture_ahead(new.spec, old.spec, lanes, live, pause=0) == len(decode_keys) == 3
+    assert capture_ahead(new.spec, old.spec, lanes, live, pause=0) == 0  # held already
+    graphs.use(new.spec, [new.spec])
+    captured = graphs.captures
+    assert captured == before + len(decode_keys)
+    for prompts, filtered in batches:
+        got = launch(new, prompts, filtered, graphs)
+        want = launch(new, prompts, filtered, None)
+        assert torch.equal(got.sid_index, want.sid_index)
+        torch.testing.assert_close(got.scores, want.scores, atol=1e-5, rtol=1e-5)
+    assert graphs.captures == captured
+    # The old version's graphs went with it.
+    assert all(owner in (new.spec, new.spec.runner) for owner, _ in graphs.cache.keys())
 
 
 def test_replay_prefill_refuses_inputs_staged_elsewhere():

@@ -326,6 +326,47 @@ def test_warm_up_captures_every_shape_the_load_then_needs(model_dirs):
     assert sum(g.captures for g in lanes) == captured
 
 
+@pytest.mark.parametrize("streams", [1, 2])
+def test_a_new_catalog_version_is_captured_before_it_is_served(model_dirs, streams):
+    """An update captures, on every lane, the decode graphs the current version's batches
+    replay, before the swap: the new version's batches of those shapes capture nothing and
+    equal eager runs over it; a rollback does the same for the version it returns to."""
+    sid_map = sequential_sid_map(3, 16, 8)
+    engine = Engine.from_pretrained(
+        model_dirs["qwen3"], random_catalog(600, 3, 16, seed=19), device="cuda",
+        sid_token_ids=sid_map, cuda_streams=streams,
+    )  # fmt: skip
+    lanes = [lane.graphs for lane in engine._lanes.lanes]
+    engine.warm_up(40, 16, 16, max_batch_size=3, spread=0.2)
+    gen = torch.Generator().manual_seed(20)
+    batches = [
+        [torch.randint(0, 96, (int(n),), generator=gen).tolist() for n in
+         torch.randint(32, 49, (size,), generator=gen)]
+        for size in (1, 2, 3, 2, 1)
+    ]  # fmt: skip
+    for batch in batches:
+        engine.recommend(batch, 16, 16, 5)
+    removed = engine.catalog.item_ids[:20]
+    before = sum(g.captures for g in lanes)
+    assert engine.update_catalog(add={"new": ["<a_15>", "<b_15>", "<c_14>"]}, remove=removed) == 2
+    captured = sum(g.captures for g in lanes)
+    assert captured - before == 3 * streams  # one decode graph per batch size and lane
+    eager = Engine.from_pretrained(
+        model_dirs["qwen3"], engine.catalog, device="cuda", sid_token_ids=sid_map,
+        cuda_graphs=False,
+    )  # fmt: skip
+    for batch in batches:
+        got = engine.recommend(batch, 16, 16, 5)
+        assert all(r.catalog_version == 2 for r in got)
+        assert sid_lists(got) == sid_lists(eager.recommend(batch, 16, 16, 5))
+    assert sum(g.captures for g in lanes) == captured
+    assert engine.rollback_catalog() == 1
+    rolled = sum(g.captures for g in lanes)
+    for batch in batches:
+        assert all(r.catalog_version == 1 for r in engine.recommend(batch, 16, 16, 5))
+    assert sum(g.captures for g in lanes) == rolled
+
+
 @pytest.mark.parametrize(("arch", "lanes"), [("qwen3", 1), ("t5", 1), ("qwen3", 2)])
 def test_a_dropped_engine_gives_its_gpu_memory_back(model_dirs, tmp_path, arch, lanes):
     if arch == "t5":

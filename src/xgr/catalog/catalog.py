@@ -87,17 +87,82 @@ class ItemCatalog:
         bad = [n for n in names if not isinstance(n, str) or not _LEVEL_NAME.fullmatch(n)]
         if bad or len(set(names)) != num_levels:
             raise XgrError(f"level names must be distinct lower-case words, got {list(names)}")
-        self.codes = codes
         self.codebook_size = int(codebook_size)
         self.level_names = names
-        self.semantic_ids, self.sid_of_item = unique_rows(codes, self.codebook_size)
+        self._set_codes(codes)
         self.attributes: ItemAttributes | None = None
+
+    def _set_codes(self, codes: np.ndarray) -> None:
+        """Take ``codes`` (checked) and derive the semantic IDs and their items from them."""
+        self.codes = codes
+        self.semantic_ids, self.sid_of_item = unique_rows(codes, self.codebook_size)
         # Items of each semantic ID, in catalog order (stable sort keeps it).
         order = np.argsort(self.sid_of_item, kind="stable")
         self._sid_item_order = order
         self._sid_item_ptr = np.searchsorted(
             self.sid_of_item[order], np.arange(len(self.semantic_ids) + 1)
         )
+
+    def changed(
+        self, removed: np.ndarray, added_ids: list[str], added_codes: np.ndarray
+    ) -> tuple[ItemCatalog, np.ndarray]:
+        """This catalog with items removed and others added, its rows kept where they are:
+        the added items take the rows of the removed ones in order, and the rest is appended,
+        or, where more are removed than added, the items past the new end move, in order,
+        into the rows still free. The Python work is in the number of changes, not the size of the catalog (an
+        update of a million-item catalog would otherwise rebuild its id -> row map, holding
+        the interpreter lock that a server's request threads share for most of a second).
+
+        Args:
+            removed: (R,) int64 distinct rows of items to remove.
+            added_ids: ids of the items to add, none of them kept here (str).
+            added_codes: (len(added_ids), num_levels) int64 their codes, checked against the
+                codebook.
+
+        Returns:
+            The new catalog (without attributes), and (N,) int64 the row in this catalog of
+            each of its rows, -1 for an added item.
+
+        Raises:
+            XgrError: the change would leave the catalog empty.
+        """
+        holes = np.sort(np.asarray(removed, dtype=np.int64))
+        size = len(self) - len(holes) + len(added_ids)
+        if size == 0:
+            raise XgrError("the update would leave the catalog empty")
+        source = np.arange(max(size, len(self)), dtype=np.int64)
+        source[len(self) :] = -1
+        filled = min(len(holes), len(added_ids))
+        source[holes[:filled]] = -1
+        free = holes[filled:]
+        if free.size:
+            # The last rows that stay (not removed) fill the free rows below the new end.
+            kept_tail = np.setdiff1d(np.arange(size, len(self)), free, assume_unique=True)
+            below = free[free < size]
+            source[below] = kept_tail
+        source = source[:size]
+        ids = self.item_ids[:size] + [None] * max(0, size - len(self))
+        index = self.item_index.copy()
+        for row in holes.tolist():
+            del index[self.item_ids[row]]
+        new_rows = np.flatnonzero(source == -1)
+        for row, item in zip(new_rows.tolist(), added_ids, strict=True):
+            ids[row] = item
+            index[item] = row
+        moved = np.flatnonzero((source >= 0) & (source != np.arange(size)))
+        for row, old in zip(moved.tolist(), source[moved].tolist(), strict=True):
+            ids[row] = self.item_ids[old]
+            index[ids[row]] = row
+        codes = np.empty((size, self.num_levels), dtype=np.int64)
+        known = source >= 0
+        codes[known] = self.codes[source[known]]
+        codes[new_rows] = added_codes
+        new = ItemCatalog.__new__(ItemCatalog)
+        new.item_ids, new.item_index = ids, index
+        new.codebook_size, new.level_names = self.codebook_size, self.level_names
+        new._set_codes(codes)
+        new.attributes = None
+        return new, source
 
     @classmethod
     def from_codes(
@@ -466,6 +531,10 @@ def unique_rows(codes: np.ndarray, codebook_size: int) -> tuple[np.ndarray, np.n
         rows, inverse = np.unique(codes, axis=0, return_inverse=True)
         return rows.astype(np.int64), inverse.reshape(-1).astype(np.int64)
     weights = codebook_size ** np.arange(levels - 1, -1, -1, dtype=np.int64)
-    keys, inverse = np.unique(codes.astype(np.int64) @ weights, return_inverse=True)
+    # A multiply-add per level: NumPy's integer matrix product has no fast kernel.
+    key = codes[:, 0].astype(np.int64) * weights[0]
+    for level in range(1, levels):
+        key += codes[:, level] * weights[level]
+    keys, inverse = np.unique(key, return_inverse=True)
     rows = (keys[:, None] // weights) % codebook_size
     return rows, inverse.reshape(-1).astype(np.int64)

@@ -62,7 +62,9 @@ class TitleIndex:
         # Titles (case-folded) that several items share -> all of them, in catalog order
         # (MovieLens-100K has 18 such titles); kept apart so unique titles cost no list.
         self._shared: dict[str, list[str]] = {}
-        for item_id in catalog.item_ids:
+        # Over the titled items of the catalog (none: no pass over a million ids).
+        titled = catalog.item_ids if titles else ()
+        for item_id in titled:
             title = titles.get(item_id)
             if title is not None:
                 self.exact.setdefault(title, item_id)

@@ -38,7 +38,8 @@ class CatalogUpdate:
 
 
 def apply_update(catalog: ItemCatalog, update: CatalogUpdate) -> ItemCatalog:
-    """The catalog after ``update``: the items kept in their order, then the added ones.
+    """The catalog after ``update``. Kept items keep their rows, added ones take the rows of
+    removed ones and then follow (``ItemCatalog.changed``); a replacement brings its order.
 
     Raises:
         XgrError: naming what is wrong (nothing changes): an empty update; ``replace``
@@ -87,18 +88,9 @@ def _added_and_removed(catalog: ItemCatalog, add: Mapping[str, Any], remove) -> 
             f"{_names(present)}"
         )
     added = _codes_of(catalog, add)
-    # Array work over the kept rows: a Python loop over a million items would hold the
-    # interpreter lock, which the server's request threads share, for a good part of a second.
-    kept = np.ones(len(catalog), dtype=bool)
-    kept[catalog.rows_of(gone)] = False
-    keep = np.flatnonzero(kept)
-    if not keep.size and not add:
-        raise XgrError("the update would leave the catalog empty")
-    item_ids = np.asarray(catalog.item_ids, dtype=object)[keep].tolist() + list(add)
-    codes = np.concatenate([catalog.codes[keep], added.reshape(-1, catalog.num_levels)])
-    new = ItemCatalog(item_ids, codes, catalog.codebook_size, catalog.level_names)
+    new, source = catalog.changed(catalog.rows_of(remove), list(add), added)
     if catalog.attributes is not None:
-        new.attributes = _carried(catalog, np.concatenate([keep, np.full(len(add), -1)]))
+        new.attributes = _carried(catalog, source)
     return new
 
 

@@ -33,8 +33,10 @@ before the next batch's replays.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
+import time
 from collections.abc import Sequence
 
 import torch
@@ -92,6 +94,10 @@ class CudaGraphs:
         self._staging: InputStaging | None = None
         self._code_kv: dict[ModelRunner, BeamKV | None] = {}  # by runner
         self._spec: DecodeSpec | None = None  # the spec in use (``use``)
+        self._served: tuple[int, ...] = ()  # ids of it and the specs kept with it
+        # Prompt offsets of the last batch of each decode key, and when it ran (monotonic
+        # s; ``decode_batches``).
+        self._decode_offsets: dict[DecodeGraphKey, tuple[list[int], float]] = {}
         # Room in the staging buffer for given embeddings: the largest padded prefill with
         # them planned so far, as a power of two, and at least EMBED_TOKENS_FLOOR.
         self._embed_tokens = 0
@@ -202,9 +208,11 @@ class CudaGraphs:
         catalogs alternate without capturing again; those of neither ``spec`` nor ``live``
         (the versions still served) are dropped, once the device is done with them.
         Callers hold ``lock``."""
-        if spec is self._spec:
-            return
         owners = (spec, *live)
+        served = tuple(map(id, owners))  # a cache key holds its spec: no id is reused
+        if served == self._served:
+            return
+        self._served = served
         keep = {id(s) for s in owners} | {id(s.runner) for s in owners}
         stale = [key for key in self.cache.keys() if id(key[0]) not in keep]
         retired = [r for r in self._code_kv if id(r) not in keep]
@@ -227,6 +235,21 @@ class CudaGraphs:
         return [
             key for owner, key in self.cache.keys() if owner is self.runner or owner is self._spec
         ]
+
+    def decode_batches(
+        self, spec: DecodeSpec, since: float = float("-inf")
+    ) -> list[tuple[DecodeGraphKey, list[int]]]:
+        """The decode graphs held for ``spec`` and replayed after ``since`` (monotonic s),
+        most recently used first, each with the prompt lengths (tokens) of the last batch
+        that replayed its key: batches that capture the same graphs over another spec
+        (``capture_ahead``)."""
+        keys = [key for owner, key in self.cache.keys() if owner is spec]
+        batches = []
+        for key in reversed(keys):
+            offsets, at = self._decode_offsets.get(key, (None, since))
+            if offsets is not None and at > since:
+                batches.append((key, [b - a for a, b in itertools.pairwise(offsets)]))
+        return batches
 
     @property
     def captures(self) -> int:
@@ -259,6 +282,7 @@ class CudaGraphs:
         self._prompt_kv.release()
         self._staging = None
         self._code_kv.clear()
+        self._served = ()
 
     def code_kv(self) -> BeamKV | None:
         """The K/V that level 1's rows of a single-request prefill write, graphed or eager,
@@ -354,6 +378,7 @@ class CudaGraphs:
         if key.filtered != (allowed is not None):
             raise ValueError("replay_decode needs the trie masks exactly when key.filtered")
         masks = tuple(allowed or ())
+        self._decode_offsets[key] = (inputs.cu_seqlens_host, time.monotonic())
         # Made again here after a limit changed, as ``needs_capture`` predicts, also for an
         # eagerly prefilled batch.
         staging = self._staging_buffer()

@@ -40,7 +40,7 @@ from xgr.engine.prompt_embeds import checked_spans, prompt_parts
 from xgr.engine.results import PendingRecommendation, search_params
 from xgr.engine.served_catalog import ServedCatalog, named_catalogs
 from xgr.engine.spec import DecodeSpec
-from xgr.engine.warm_up import capture_lanes
+from xgr.engine.warm_up import capture_ahead, capture_lanes
 from xgr.kernels.backend import select_attention_backend
 from xgr.models import CausalLM, T5Seq2SeqLM
 from xgr.models.sid_vocab import (
@@ -141,6 +141,7 @@ class Engine:
         self.attention_backend = select_attention_backend(self.device, model.shared_kv_layout[2])
         self._version_options = (full_vocab, self.attention_backend, first_levels_together)
         self._catalogs: dict[str, ServedCatalog] = {}
+        self._preparing: list[DecodeSpec] = []  # versions capturing ahead (``_capture_ahead``)
         for name, items in catalogs.items():
             # Catalogs with the same first-level codes share the runner and its graphs.
             others = [c.current.spec for c in self._catalogs.values()]
@@ -308,7 +309,9 @@ class Engine:
                 items.check_compatible(
                     _record_of(current.catalog, only), "the catalog it replaces", only
                 )
-            return self._build_version(number, items, current.spec)
+            version = self._build_version(number, items, current.spec)
+            self._capture_ahead(version, current)
+            return version
 
         version = served.publish(build)
         logger.info(
@@ -328,7 +331,7 @@ class Engine:
             XgrError: an unknown catalog, or no earlier version is kept.
         """
         served = self.served_catalog(catalog)
-        version = served.rollback()
+        version = served.rollback(self._capture_ahead)
         logger.info("catalog %r rolled back to version %d", served.name, version.version)
         return version.version
 
@@ -606,8 +609,25 @@ class Engine:
         return self._lanes.run(lane, launch, needs_capture)
 
     def _served_specs(self) -> list[DecodeSpec]:
-        """The catalogs' current versions' specs (whose graphs a lane keeps)."""
-        return [served.current.spec for served in self._catalogs.values()]
+        """The catalogs' current versions' specs and those capturing ahead (whose graphs a
+        lane keeps)."""
+        return [served.current.spec for served in self._catalogs.values()] + self._preparing
+
+    def _capture_ahead(self, version: CatalogVersion, current: CatalogVersion) -> None:
+        """Before ``version`` replaces ``current``, capture the decode graphs that its
+        batches will replay (``capture_ahead``): its first batches would otherwise capture
+        them one after another, each holding every launch back. A failed capture is logged
+        and left to the first batch."""
+        if self.graphs is None:
+            return
+        self._preparing.append(version.spec)
+        try:
+            captured = capture_ahead(version.spec, current.spec, self._lanes, self._served_specs)
+            logger.info("captured %d graphs ahead of catalog version %d", captured, version.version)
+        except RuntimeError as exc:  # CUDA errors and out of memory
+            logger.warning("capturing ahead of catalog version %d failed: %s", version.version, exc)
+        finally:
+            self._preparing.remove(version.spec)
 
     def warm_up(
         self,

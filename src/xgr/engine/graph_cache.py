@@ -4,6 +4,7 @@ dropped beyond a limit; the mechanics under ``xgr.engine.cuda_graph.CudaGraphs``
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -101,10 +102,12 @@ class GraphCache:
             # handed back when the cache is freed.
             self.capture_stream = exclusive_stream(self, inputs[0].device, "capture")
         stream = self.capture_stream
+        started = time.perf_counter()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             run()
         torch.cuda.current_stream().wait_stream(stream)
+        warmed = time.perf_counter()
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
@@ -116,12 +119,17 @@ class GraphCache:
             capture_error_mode="thread_local",
         ):
             outputs = run()
-        return self.add(key, graph, inputs, outputs)
+        done = time.perf_counter()
+        entry = self.add(key, graph, inputs, outputs)
+        logger.info(
+            "captured CUDA graph %s in %.1f ms (warm-up run %.1f ms)",
+            key, (done - started) * 1e3, (warmed - started) * 1e3,
+        )  # fmt: skip
+        return entry
 
     def add(self, key: Hashable, graph, inputs: tuple, outputs: Any) -> CapturedGraph:
         """Keep a captured graph (``graph.replay()`` reruns its work) under ``key``."""
         self.captures += 1
-        logger.info("captured CUDA graph %s", key)
         entry = CapturedGraph(graph, inputs, outputs)
         self._graphs[key] = entry
         # The capture synchronized the device: no launched batch still replays the graph

@@ -63,8 +63,14 @@ class ServedCatalog:
             self.current = version
             return version
 
-    def rollback(self) -> CatalogVersion:
+    def rollback(
+        self, prepare: Callable[[CatalogVersion, CatalogVersion], None] | None = None
+    ) -> CatalogVersion:
         """Serve the version before the current one again.
+
+        Args:
+            prepare: called as ``prepare(that version, current)`` under the update lock
+                before it is served.
 
         Returns:
             That version, now current.
@@ -78,6 +84,8 @@ class ServedCatalog:
                     f"no earlier catalog version of {self.name!r} to roll back to (version "
                     f"{self.version} is the first kept)"
                 )
+            if prepare is not None:
+                prepare(self._earlier[-1], self.current)
             self.current = self._earlier.pop()
             return self.current
 

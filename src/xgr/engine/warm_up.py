@@ -1,21 +1,30 @@
-"""The batches a warm-up runs so that a load's CUDA graphs exist before the load, and
-their run on every lane."""
+"""The batches a warm-up runs so that a load's CUDA graphs exist before the load, their
+run on every lane, and the captures of a new catalog version's graphs before it is served."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+import functools
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 
 from xgr.engine.cuda_graph import CudaGraphs
-from xgr.engine.generate import generate_semantic_ids
+from xgr.engine.generate import generate_semantic_ids, launch_semantic_ids
 from xgr.engine.inputs import PREFILL_PAD_TOKEN
-from xgr.engine.lanes import Lane
+from xgr.engine.lanes import Lane, Lanes
 from xgr.engine.spec import DecodeSpec
 
 # Prompt totals are stepped this finely (tokens): finer than any prefill bucket.
 TOTAL_STEP = 32
+# After each capture ahead of a new catalog version, a pause of this many times its
+# duration: at 70% of capacity the requests queued behind a capture take about 2.3 times
+# its time to be served.
+CAPTURE_AHEAD_PAUSE = 3.0
+# Graphs captured ahead are those replayed this recently (s): the shapes of the load being
+# served (a warm-up's unused shapes are left to their first batch).
+CAPTURE_AHEAD_RECENT_S = 30.0
 
 
 def warm_up_batches(
@@ -89,3 +98,64 @@ def capture_lanes(
                 generate_semantic_ids(spec, prompts, beam_width, top_k, lane.graphs)
     torch.cuda.synchronize(graphs[0].model.lm_head.weight.device)
     return sum(g.captures for g in graphs) - before
+
+
+def capture_ahead(
+    spec: DecodeSpec,
+    previous: DecodeSpec,
+    lanes: Lanes,
+    live: Callable[[], Sequence[DecodeSpec]],
+    pause: float = CAPTURE_AHEAD_PAUSE,
+    recent: float = CAPTURE_AHEAD_RECENT_S,
+) -> int:
+    """Capture, on every lane, the decode graphs of ``spec`` (a catalog version about to be
+    served) that batches over ``previous`` replay, so that the new version's first batches
+    replay instead of capturing (``Engine.update_catalog``).
+
+    One batch of padding prompts per graph replayed in the last ``recent`` s, of the
+    lengths last seen with its key (with masks allowing every path where the graph reads
+    trie masks), each launched alone (a capture holds other launches back,
+    ``CaptureGate``); after each, a pause of ``pause`` x its time lets the requests queued
+    behind it run before the next.
+
+    Args:
+        live: () -> the specs whose graphs a lane keeps; it must include ``spec`` while this
+            runs (else another batch's ``CudaGraphs.use`` drops the graphs captured here).
+
+    Returns:
+        Graphs captured, all lanes together.
+    """
+    captured, since = 0, time.monotonic() - recent
+    for lane in lanes.lanes:
+        graphs = lane.graphs
+        if graphs is None:
+            continue
+        for key, lens in graphs.decode_batches(previous, since):
+            if (spec, key) in graphs.cache:
+                continue
+            prompts = [[PREFILL_PAD_TOKEN] * n for n in lens]
+            before = graphs.captures
+            masks = functools.partial(_every_path, spec, len(prompts)) if key.filtered else None
+
+            def launch(graphs=graphs, prompts=prompts, key=key, masks=masks):
+                with graphs.lock:
+                    graphs.use(spec, live())
+                    return launch_semantic_ids(
+                        spec, prompts, key.beam_width, key.top_k, graphs, None, masks
+                    )
+
+            started = time.perf_counter()
+            lanes.run(lane, launch, lambda: True).wait()
+            took = time.perf_counter() - started
+            captured += graphs.captures - before
+            time.sleep(pause * took)
+    return captured
+
+
+def _every_path(spec: DecodeSpec, requests: int) -> tuple[torch.Tensor, ...]:
+    """Trie masks allowing every path (``CatalogMasks.masks``' form): per level,
+    (requests, nodes at depth level + 1) bool."""
+    return tuple(
+        torch.ones(requests, level.num_children, dtype=torch.bool, device=spec.trie.device)
+        for level in spec.trie.levels
+    )
