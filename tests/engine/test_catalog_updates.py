@@ -64,8 +64,10 @@ def test_each_version_searches_as_an_engine_built_on_it(folder, device):
     assert dict(zip(served.item_ids, served.codes.tolist(), strict=True)) == dict(
         zip([*kept, *added], codes.tolist(), strict=True)
     )
-    assert all(served.item_ids[catalog.item_index[i]] == i for i in kept[:-len(removed)])
-    direct = engine_on(folder, ItemCatalog.from_codes(served.item_ids, served.codes, CODEBOOK), device)
+    assert all(served.item_ids[catalog.item_index[i]] == i for i in kept[: -len(removed)])
+    direct = engine_on(
+        folder, ItemCatalog.from_codes(served.item_ids, served.codes, CODEBOOK), device
+    )
     second = engine.recommend(PROMPTS, **SEARCH)
     assert all(r.catalog_version == 2 for r in second)
     same_results(second, direct.recommend(PROMPTS, **SEARCH))

@@ -109,9 +109,9 @@ class ItemCatalog:
         """This catalog with items removed and others added, its rows kept where they are:
         the added items take the rows of the removed ones in order, and the rest is appended,
         or, where more are removed than added, the items past the new end move, in order,
-        into the rows still free. The Python work is in the number of changes, not the size of the catalog (an
-        update of a million-item catalog would otherwise rebuild its id -> row map, holding
-        the interpreter lock that a server's request threads share for most of a second).
+        into the rows still free. Its Python work grows with the changes, not the catalog
+        (rebuilding a million-item id -> row map would hold the interpreter lock, which a
+        server's request threads share, for most of a second).
 
         Args:
             removed: (R,) int64 distinct rows of items to remove.

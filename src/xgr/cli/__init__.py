@@ -302,6 +302,32 @@ def evaluate(source, k, beam_width, max_users, output) -> None:
     show_default=True,
     help="Largest body of a catalog update (then 413).",
 )
+@click.option(
+    "--ray",
+    "on_ray",
+    is_flag=True,
+    help="Serve replicas of the model on Ray Serve (the ray[serve] extra): on the cluster "
+    "RAY_ADDRESS names, else a local one.",
+)
+@click.option("--replicas", type=click.IntRange(1), default=1, show_default=True,
+              help="With --ray: replicas (without autoscaling).")  # fmt: skip
+@click.option(
+    "--num-gpus-per-replica",
+    type=click.FloatRange(0),
+    default=None,
+    help="With --ray: GPUs of each replica (default: 1 with --device cuda, else 0).",
+)
+@click.option("--min-replicas", type=click.IntRange(0), default=None,
+              help="With --ray: autoscaling's lower bound (with --max-replicas).")  # fmt: skip
+@click.option("--max-replicas", type=click.IntRange(1), default=None,
+              help="With --ray: autoscaling's upper bound (with --min-replicas).")  # fmt: skip
+@click.option(
+    "--target-ongoing-requests",
+    type=click.FloatRange(0, min_open=True),
+    default=None,
+    help="With --ray: autoscaling's target of requests in a replica at once (default: half "
+    "of what a replica is routed at most, from its token budget).",
+)
 def serve(
     source,
     host,
@@ -312,6 +338,12 @@ def serve(
     keep_alive_timeout,
     max_connections,
     access_log,
+    on_ray,
+    replicas,
+    num_gpus_per_replica,
+    min_replicas,
+    max_replicas,
+    target_ongoing_requests,
     **limits,
 ) -> None:
     """Serve the HTTP API: recommend, completions, models, health, ready, metrics."""
@@ -321,6 +353,16 @@ def serve(
 
     try:
         config = ServerConfig(**limits)  # the options are named as its fields
+        if on_ray:
+            from xgr.server.ray_serve import ReplicaOptions
+
+            gpus = num_gpus_per_replica
+            if gpus is None:
+                gpus = 1.0 if source.device.startswith("cuda") else 0.0
+            options = ReplicaOptions(
+                replicas, gpus, min_replicas=min_replicas, max_replicas=max_replicas,
+                target_ongoing_requests=target_ongoing_requests,
+            )  # fmt: skip
         http_config = HttpConfig(
             header_timeout, body_timeout, keep_alive_timeout, max_connections, access_log
         )
@@ -330,6 +372,8 @@ def serve(
         socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError) as exc:
         raise click.UsageError(f"--host {host!r} cannot be resolved: {exc}") from exc
+    if on_ray:
+        return serve_on_ray(source, config, options, host, port, warm_up_tokens)
     engine = source.load(cuda_streams=config.streams)
     try:
         app = create_app(engine, config)  # refuses a model too small for one item
@@ -339,6 +383,37 @@ def serve(
     except XgrError as exc:
         fail(exc)
     run_server(app, host, port, http_config)
+
+
+def serve_on_ray(source, config, options, host: str, port: int, warm_up_tokens: int) -> None:
+    """``xgr serve --ray``: the replicas' application on Ray Serve until SIGTERM or Ctrl-C,
+    then Serve shut down (each replica finishes the requests it has)."""
+    import signal
+    import threading
+
+    from xgr.server.ray_serve import application
+
+    try:
+        app = application(source, config, options, warm_up_tokens, warm_up_tokens or 1000)
+        import ray
+        from ray import serve
+    except XgrError as exc:
+        fail(exc)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    ray.init(ignore_reinit_error=True, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        try:
+            serve.run(app, name="xgr", route_prefix="/")
+        except RuntimeError as exc:  # a replica failed to start: its error is in the text
+            raise click.ClickException(f"the replicas did not start: {exc}") from exc
+        click.echo(f"xgr on Ray Serve at http://{host}:{port} ({options.replicas} replicas)")
+        stop.wait()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
 
 
 # The bench group registers itself on ``main``.

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
@@ -132,12 +132,19 @@ async def client_gone(request: Request) -> None:
         pass  # no more body is sent once it has been read; nothing else can arrive
 
 
-def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
+def create_app(
+    engine: Engine,
+    config: ServerConfig | None = None,
+    ready_also: Callable[[], str | None] | None = None,
+) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
         engine: the engine (its model, catalog and titles).
         config: limits and defaults.
+        ready_also: a further condition of ``/ready`` once this app is warm, run in a
+            thread: None when met, else why not (a replica's siblings still starting,
+            ``xgr.server.ray_serve``).
 
     Raises:
         XgrError: the model cannot hold a prompt of one item (its warm-up request).
@@ -294,9 +301,12 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     async def ready() -> Any:
         if failed := scheduler_failed():
             return failed
-        if state["ready"]:
-            return StatusResponse(status="ready")
-        return JSONResponse(status_code=503, content={"status": "starting"})
+        if not state["ready"]:
+            return JSONResponse(status_code=503, content={"status": "starting"})
+        waiting = await asyncio.to_thread(ready_also) if ready_also is not None else None
+        if waiting is not None:
+            return JSONResponse(status_code=503, content={"status": "starting", "error": waiting})
+        return StatusResponse(status="ready")
 
     @app.get(
         "/metrics",
