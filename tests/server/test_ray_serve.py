@@ -12,8 +12,9 @@ import pytest
 from tests.server.test_live_server import random_requests, send_all
 from xgr import XgrError
 from xgr.cli.options import ModelSource
+from xgr.cli.ray_app import build
 from xgr.server.config import ServerConfig
-from xgr.server.ray_serve import ReplicaOptions, build, routed_per_replica
+from xgr.server.ray_serve import ReplicaOptions, routed_per_replica
 
 
 def test_routed_per_replica_follows_the_token_budget():

@@ -8,15 +8,14 @@ requests once its constructor (model load and CUDA-graph warm-up) has returned; 
 ``/ready`` is 200 only once every replica of the deployment runs. On shutdown Serve stops
 routing to a replica and waits for its requests to finish (``graceful_shutdown_timeout_s``).
 
-    serve run xgr.server.ray_serve:build model=DIR replicas=2 num_gpus_per_replica=1
+    serve run xgr.cli.ray_app:build model=DIR replicas=2 num_gpus_per_replica=1
 
 needs the ``ray[serve]`` extra (``pip install "xgr[ray]"``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 from xgr.core import XgrError
@@ -94,8 +93,8 @@ class XgrReplica:
     the replica's ASGI app (``__serve_build_asgi_app__``, Serve's late-bound ingress).
 
     Args:
-        source: the model (``xgr.cli.options.ModelSource``: a folder or the demo, catalogs,
-            dtype, device).
+        source: the model: an object whose ``load(cuda_streams=...)`` gives the engine
+            (``xgr.cli.options.ModelSource``: a folder or the demo, catalogs, dtype, device).
         config: the server's limits (each replica's own scheduler).
         warm_up_tokens: typical prompt length to capture CUDA graphs for (0: none).
     """
@@ -175,57 +174,3 @@ def application(
         **scaling,
     )
     return deployment.bind(source, config, warm_up_tokens)
-
-
-def build(args: dict[str, str]):
-    """``serve run xgr.server.ray_serve:build key=value ...``'s application: ``model`` (a
-    folder) or ``demo=true``, ``catalog``, ``dtype``, ``device``, ``warm_up_tokens``, the
-    ``ReplicaOptions`` and the ``ServerConfig`` fields, by name.
-
-    Raises:
-        XgrError: an unknown key or a value of the wrong type.
-    """
-    from xgr.cli.options import DEFAULT_CACHE, ModelSource
-
-    args = dict(args)
-    source = ModelSource(
-        demo=_flag(args.pop("demo", "false")),
-        model_dir=Path(args.pop("model")) if "model" in args else None,
-        catalog_paths=((None, Path(args.pop("catalog"))),) if "catalog" in args else (),
-        dtype=args.pop("dtype", "float32"),
-        device=args.pop("device", "cpu"),
-        cache_dir=Path(args.pop("cache_dir", DEFAULT_CACHE)),
-    )
-    warm_up_tokens = int(args.pop("warm_up_tokens", 0))
-    prompt_tokens = int(args.pop("prompt_tokens", warm_up_tokens or 1000))
-    options = ReplicaOptions(**_typed(ReplicaOptions, args))
-    config = ServerConfig(**_typed(ServerConfig, args))
-    if args:
-        raise XgrError(f"unknown arguments: {', '.join(sorted(args))}")
-    return application(source, config, options, warm_up_tokens, prompt_tokens)
-
-
-def _typed(cls, args: dict[str, str]) -> dict[str, Any]:
-    """The ``args`` naming fields of the dataclass ``cls``, converted to the fields' types
-    (taken out of ``args``)."""
-    out = {}
-    for field in fields(cls):
-        if field.name in args:
-            text = args.pop(field.name)
-            kind = str(field.type)
-            try:
-                if "int" in kind and "float" not in kind:
-                    out[field.name] = int(text)
-                elif "float" in kind:
-                    out[field.name] = float(text)
-                else:
-                    out[field.name] = text
-            except ValueError as exc:
-                raise XgrError(f"{field.name}={text!r}: {exc}") from exc
-    return out
-
-
-def _flag(text: str) -> bool:
-    if text.lower() not in ("true", "false", "1", "0"):
-        raise XgrError(f"expected true or false, got {text!r}")
-    return text.lower() in ("true", "1")
