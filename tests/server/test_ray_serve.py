@@ -3,6 +3,7 @@ replicas of a tiny model answering as the single-process server does."""
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 
@@ -14,7 +15,10 @@ from xgr import XgrError
 from xgr.cli.options import ModelSource
 from xgr.cli.ray_app import build
 from xgr.server.config import ServerConfig
-from xgr.server.ray_serve import ReplicaOptions, routed_per_replica
+from xgr.server.ray_serve import ReplicaOptions, labelled, routed_per_replica
+
+TOKEN = "ray-serve-test-admin-token-0123"
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def test_routed_per_replica_follows_the_token_budget():
@@ -51,8 +55,6 @@ def test_build_refuses_unknown_and_malformed_arguments(served_model_dir):
         build({"model": str(served_model_dir), "replicas": "two"})
     with pytest.raises(XgrError, match="expected true or false"):
         build({"demo": "maybe"})
-    with pytest.raises(XgrError, match="admin API is not served on Ray Serve"):
-        build({"model": str(served_model_dir), "admin_token": "a-token-of-32-characters-at-least"})
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +68,11 @@ def ray_url(served_model_dir):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    from xgr.server.ray_serve import PROXY_CALLBACK
+
+    name, value = PROXY_CALLBACK
+    before = os.environ.get(name)
+    os.environ[name] = value  # the proxy started below inherits it
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -74,7 +81,7 @@ def ray_url(served_model_dir):
         )
         app = application(
             source,
-            ServerConfig(max_batch_size=8),
+            ServerConfig(max_batch_size=8, admin_token=TOKEN),
             ReplicaOptions(replicas=2, num_cpus_per_replica=1),
         )
         serve.run(app, name="xgr", route_prefix="/")
@@ -82,6 +89,10 @@ def ray_url(served_model_dir):
     finally:
         serve.shutdown()
         ray.shutdown()
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def test_two_replicas_answer_as_the_single_process_server(ray_url, base_url, engine):
@@ -104,3 +115,159 @@ def test_two_replicas_answer_as_the_single_process_server(ray_url, base_url, eng
     # Errors come back as the replica gave them.
     bad = httpx.post(f"{ray_url}/v1/recommend", json={"history": ["no-such-item"]}, timeout=30)
     assert bad.status_code == 400 and "no-such-item" in bad.json()["error"]
+
+
+def test_labelled_merges_the_replicas_metrics_under_one_family_each():
+    from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    texts = {}
+    for replica, served in (("a", 3), ("b", 5)):
+        registry = CollectorRegistry()
+        Counter("xgr:served", "Requests served.", ["model"], registry=registry).labels("m").inc(
+            served
+        )
+        Gauge("xgr:version", 'A "quoted" help\nline.', registry=registry).set(2)
+        texts[replica] = generate_latest(registry)
+    merged = list(text_string_to_metric_families(labelled(texts).decode()))
+    # prometheus_client writes a counter's creation time as a gauge family of its own.
+    assert sorted(f.name for f in merged) == ["xgr:served", "xgr:served_created", "xgr:version"]
+    assert next(f for f in merged if f.name == "xgr:version").documentation == (
+        'A "quoted" help\nline.'
+    )
+    served = next(f for f in merged if f.name == "xgr:served")
+    totals = {s.labels["replica"]: s.value for s in served.samples if s.name.endswith("_total")}
+    assert totals == {"a": 3.0, "b": 5.0}
+    assert all(s.labels["model"] == "m" for s in served.samples)
+
+
+def test_metrics_of_every_replica_from_one_scrape(ray_url, engine):
+    import asyncio
+    import time
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    asyncio.run(send_all(ray_url, random_requests(engine.catalog, 30, seed=12)))
+    deadline = time.monotonic() + 30
+    while True:  # the replicas report every half second
+        text = httpx.get(f"{ray_url}/metrics", timeout=30).text
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        success = families["xgr:request_success"].samples
+        replicas = {s.labels["replica"] for s in success if s.name.endswith("_total")}
+        if len(replicas) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(replicas) == 2
+    answered = sum(s.value for s in success if s.name.endswith("_total"))
+    assert answered >= 30
+
+
+def test_a_catalog_change_reaches_every_replica(ray_url, engine):
+    import asyncio
+
+    catalog = engine.catalog
+    removed = catalog.item_ids[:150]
+    update = httpx.post(
+        f"{ray_url}/v1/catalog", json={"remove": removed}, headers=ADMIN, timeout=120
+    )
+    assert update.status_code == 200, update.text
+    assert update.json()["catalog_version"] == 2 and update.json()["num_items"] == 150
+    kept = catalog.item_ids[150:]
+    bodies = [{**b, "history": [i for i in b["history"] if i in kept] or kept[:2]}
+              for b in random_requests(catalog, 40, seed=13)]  # fmt: skip
+    answers = asyncio.run(send_all(ray_url, bodies))
+    for answer in answers:
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["catalog_version"] == 2
+        assert not {i["item_id"] for i in answer.json()["items"]} & set(removed)
+    # A refused change changes nothing anywhere.
+    refused = httpx.post(f"{ray_url}/v1/catalog", json={"remove": removed[:1]}, headers=ADMIN,
+                         timeout=60)  # fmt: skip
+    assert refused.status_code == 400 and "lacks" in refused.json()["error"]
+    back = httpx.post(f"{ray_url}/v1/catalog/rollback", headers=ADMIN, timeout=120)
+    assert back.status_code == 200 and back.json()["catalog_version"] == 1
+    answers = asyncio.run(send_all(ray_url, random_requests(catalog, 20, seed=14)))
+    assert all(a.status_code == 200 and a.json()["catalog_version"] == 1 for a in answers)
+
+
+def test_a_killed_replica_loses_no_request_and_is_replaced(ray_url, engine):
+    """Requests flow while one replica is killed: each is answered, 200 or 503 (never
+    dropped), and Serve starts a replacement, which replays the catalog changes."""
+    import asyncio
+    import time
+
+    import ray
+
+    names = [a for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith("SERVE_REPLICA::xgr#")]  # fmt: skip
+    assert len(names) == 2
+    victim = ray.get_actor(names[0]["name"], namespace=names[0]["namespace"])
+    bodies = random_requests(engine.catalog, 120, seed=15)
+
+    async def flow():
+        limits = httpx.Limits(max_connections=16)
+        async with httpx.AsyncClient(base_url=ray_url, timeout=120, limits=limits) as client:
+
+            async def one(body, delay):
+                await asyncio.sleep(delay)
+                return (await client.post("/v1/recommend", json=body)).status_code
+
+            tasks = [one(b, i * 0.02) for i, b in enumerate(bodies)]
+            killer = asyncio.get_running_loop().run_in_executor(
+                None, lambda: (time.sleep(0.6), ray.kill(victim, no_restart=True))
+            )
+            statuses = await asyncio.gather(*tasks)
+            await killer
+            return statuses
+
+    statuses = asyncio.run(flow())
+    assert len(statuses) == len(bodies)
+    assert set(statuses) <= {200, 503}, statuses
+    assert statuses.count(200) >= len(bodies) // 2
+    deadline = time.monotonic() + 90
+    while httpx.get(f"{ray_url}/ready", timeout=30).status_code != 200:
+        assert time.monotonic() < deadline, "no replacement replica"
+        time.sleep(1)
+
+
+def test_sigterm_drains_the_replicas(served_model_dir, engine):
+    """``xgr serve --ray``: requests sent before SIGTERM are all answered 200, then the
+    command exits."""
+    import asyncio
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pytest.importorskip("ray.serve")
+    from tests.conftest import wait_until_ready
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "xgr.cli", "serve", "--ray", "--replicas", "2",
+         "--model", str(served_model_dir), "--port", str(port), "--max-batch-size", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_until_ready(url, 120), "the replicas did not start"
+        bodies = [{**b, "beam_width": 256} for b in random_requests(engine.catalog, 30, seed=16)]
+
+        async def flow():
+            async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+                sent = [asyncio.ensure_future(client.post("/v1/recommend", json=b)) for b in bodies]
+                await asyncio.sleep(1.0)  # admitted, most still waiting in the replicas
+                server.send_signal(signal.SIGTERM)
+                return await asyncio.gather(*sent)
+
+        answers = asyncio.run(flow())
+        assert [a.status_code for a in answers] == [200] * len(bodies)
+        started = time.monotonic()
+        assert server.wait(timeout=60) == 0
+        assert time.monotonic() - started < 60
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import time
 from pathlib import Path
@@ -391,7 +392,7 @@ def serve_on_ray(source, config, options, host: str, port: int, warm_up_tokens: 
     import signal
     import threading
 
-    from xgr.server.ray_serve import application
+    from xgr.server.ray_serve import PROXY_CALLBACK, application
 
     try:
         app = application(source, config, options, warm_up_tokens, warm_up_tokens or 1000)
@@ -399,10 +400,12 @@ def serve_on_ray(source, config, options, host: str, port: int, warm_up_tokens: 
         from ray import serve
     except XgrError as exc:
         fail(exc)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    # A local cluster's proxy answers 503 for a request whose replica died (inherited env).
+    os.environ.setdefault(*PROXY_CALLBACK)
     ray.init(ignore_reinit_error=True, log_to_driver=False)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which sets its own
+        signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": host, "port": port})
         try:
@@ -411,6 +414,9 @@ def serve_on_ray(source, config, options, host: str, port: int, warm_up_tokens: 
             raise click.ClickException(f"the replicas did not start: {exc}") from exc
         click.echo(f"xgr on Ray Serve at http://{host}:{port} ({options.replicas} replicas)")
         stop.wait()
+        # Deleting the application first lets each replica finish the requests routed to it
+        # (Serve's graceful shutdown) while the proxy still holds their connections.
+        serve.delete("xgr")
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -45,6 +45,7 @@ from xgr.server.admission import AdmissionGate, error_response
 from xgr.server.completions import chat_response, completion_prompts, completion_response
 from xgr.server.config import BodySizeLimit, ServerConfig
 from xgr.server.embeds import decode_spans, embedded_prompt
+from xgr.server.replicas import CatalogChange, Replicas
 from xgr.server.schemas import (
     CatalogCard,
     CatalogSummary,
@@ -135,16 +136,16 @@ async def client_gone(request: Request) -> None:
 def create_app(
     engine: Engine,
     config: ServerConfig | None = None,
-    ready_also: Callable[[], str | None] | None = None,
+    replicas: Replicas | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
         engine: the engine (its model, catalog and titles).
         config: limits and defaults.
-        ready_also: a further condition of ``/ready`` once this app is warm, run in a
-            thread: None when met, else why not (a replica's siblings still starting,
-            ``xgr.server.ray_serve``).
+        replicas: where this app is one of several replicas (``xgr.server.ray_serve``):
+            ``/ready`` waits for all of them, ``/metrics`` gives all of theirs, and catalog
+            changes reach all of them.
 
     Raises:
         XgrError: the model cannot hold a prompt of one item (its warm-up request).
@@ -184,6 +185,8 @@ def create_app(
         yield
         state["ready"] = False
         await batcher.stop(drain=True)  # uvicorn has stopped accepting: finish what came in
+        if replicas is not None:
+            replicas.stop()
         sys.setswitchinterval(switch_interval)
 
     app = FastAPI(
@@ -303,7 +306,7 @@ def create_app(
             return failed
         if not state["ready"]:
             return JSONResponse(status_code=503, content={"status": "starting"})
-        waiting = await asyncio.to_thread(ready_also) if ready_also is not None else None
+        waiting = await asyncio.to_thread(replicas.waiting) if replicas is not None else None
         if waiting is not None:
             return JSONResponse(status_code=503, content={"status": "starting", "error": waiting})
         return StatusResponse(status="ready")
@@ -314,7 +317,10 @@ def create_app(
         responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text."}},
     )
     async def prometheus_metrics() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        text = generate_latest(metrics.registry)
+        if replicas is not None:
+            text = await asyncio.to_thread(replicas.metrics, text)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
@@ -500,18 +506,31 @@ def create_app(
             return Response(status_code=499)
         return chat_response(engine, answers[0].result, int(time.time()))
 
+    apply = None
     if config.admin_token:
-        add_catalog_admin(app, engine, config.admin_token, metrics)
+        apply = add_catalog_admin(app, engine, config.admin_token, metrics, replicas)
+    if replicas is not None:
+        # Before the app takes requests: the changes the replicas made before it started.
+        replicas.start(apply, lambda: generate_latest(metrics.registry))
     return app
 
 
 def add_catalog_admin(
-    app: FastAPI, engine: Engine, token: str, metrics: ServingMetrics | None = None
-) -> None:
+    app: FastAPI,
+    engine: Engine,
+    token: str,
+    metrics: ServingMetrics | None = None,
+    replicas: Replicas | None = None,
+) -> Callable[[CatalogChange], CatalogSummary]:
     """The catalog admin API (``GET``/``POST /v1/catalog``, ``POST /v1/catalog/rollback``),
     each request authorized by ``Authorization: Bearer <token>`` (compared in constant
     time; no answer echoes it). Each takes ``?catalog=NAME`` (default: the first catalog).
-    A new version is reported to ``metrics`` (``xgr:catalog_version``)."""
+    A new version is reported to ``metrics`` (``xgr:catalog_version``); with ``replicas``,
+    each change is applied by every replica, in one order, before it is answered.
+
+    Returns:
+        The function that applies one change here (what the replicas follow).
+    """
     expected = token.encode()
 
     def authorize(request: Request) -> None:
@@ -556,34 +575,39 @@ def add_catalog_admin(
     async def catalog_info(request: Request) -> Any:
         return await asyncio.to_thread(summary, named(request), True)
 
+    def apply(change: CatalogChange) -> CatalogSummary:
+        """Apply one change here (an update's body, or a rollback); the summary of the
+        version it made, taken under the same lock."""
+        name, body = change.catalog, change.update
+        with updating, built_without_collections():
+            if body is None:
+                engine.rollback_catalog(name)
+            else:
+                replace = None
+                if body.get("replace") is not None:
+                    codebook = engine.served_catalog(name).catalog.codebook_size
+                    replace = ItemCatalog.from_index_dict(body["replace"], codebook)
+                engine.update_catalog(
+                    body.get("add"), body.get("remove"), body.get("set_attributes"), replace, name
+                )
+            return summary(name)
+
+    def answered(change: CatalogChange) -> CatalogSummary:
+        return apply(change) if replicas is None else replicas.change(change, apply)
+
     @app.post("/v1/catalog", response_model=CatalogSummary, responses={**admin, **POST_ERRORS})
     async def update_catalog(body: CatalogUpdateRequest, request: Request) -> Any:
         name = named(request)
-
         refuse_duplicate_keys(await request.body())
-
-        def update() -> CatalogSummary:
-            with updating:  # the answer describes this update's version
-                with built_without_collections():
-                    replace = None
-                    if body.replace is not None:
-                        codebook = engine.served_catalog(name).catalog.codebook_size
-                        replace = ItemCatalog.from_index_dict(body.replace, codebook)
-                    engine.update_catalog(body.add, body.remove, body.set_attributes, replace, name)
-                return summary(name)
-
-        return await asyncio.to_thread(update)
+        given = {key: value for key, value in body.model_dump().items() if value is not None}
+        change = CatalogChange(name, given)
+        return await asyncio.to_thread(answered, change)
 
     @app.post("/v1/catalog/rollback", response_model=CatalogSummary, responses=admin)
     async def rollback_catalog(request: Request) -> Any:
-        name = named(request)
+        return await asyncio.to_thread(answered, CatalogChange(named(request)))
 
-        def rollback() -> CatalogSummary:
-            with updating:
-                engine.rollback_catalog(name)
-                return summary(name)
-
-        return await asyncio.to_thread(rollback)
+    return apply
 
 
 def refuse_query(request: Request, allowed: str | None = None) -> None:
