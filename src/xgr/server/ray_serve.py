@@ -4,9 +4,11 @@ HTTP API on one GPU (or on CPUs), behind Serve's HTTP proxy (``application``).
 Serve routes each request to a replica holding fewer than ``max_ongoing_requests``, bounded
 from the replica's token budget (``routed_per_replica``), so that xgr's batching decides the
 batches and Serve's queue only holds what every replica is already batching. A replica takes
-requests once its constructor (model load and CUDA-graph warm-up) has returned; its
-``/ready`` is 200 only once every replica of the deployment runs. On shutdown Serve stops
-routing to a replica and waits for its requests to finish (``graceful_shutdown_timeout_s``).
+requests once its constructor (model load, CUDA-graph warm-up, the catalog changes made so
+far) has returned. The replicas share one ``CatalogHub`` actor (``RayReplicas``): ``/ready``
+is 200 once every replica runs, ``/metrics`` labels every replica's samples, and an admin
+catalog change is applied by every replica, in the order of the hub's log, before it is
+answered. The proxy answers 503 for a request whose replica died (``AnswerLostRequests``).
 
     serve run xgr.cli.ray_app:build model=DIR replicas=2 num_gpus_per_replica=1
 
