@@ -132,6 +132,7 @@ def test_attributes_follow_the_items_and_can_be_set(folder, tmp_path):
         ({"remove": "item1"}, "remove must be a list"),
         ({"remove": ["item1", "item2", "item1"]}, "items listed twice in remove: 'item1'"),
         ({"add": {7: [1, 2, 3], "7": [1, 2, 4]}}, "add names an item twice"),
+        ({"replace": {"item0": [1, 2, 3]}}, "replace takes an ItemCatalog"),
     ],
 )
 def test_a_refused_update_changes_nothing(folder, update, message):

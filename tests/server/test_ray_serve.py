@@ -15,7 +15,8 @@ from xgr import XgrError
 from xgr.cli.options import ModelSource
 from xgr.cli.ray_app import build
 from xgr.server.config import ServerConfig
-from xgr.server.ray_serve import ReplicaOptions, labelled, routed_per_replica
+from xgr.server.ray_replicas import labelled
+from xgr.server.ray_serve import ReplicaOptions, routed_per_replica
 
 TOKEN = "ray-serve-test-admin-token-0123"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
@@ -40,6 +41,14 @@ def test_routed_per_replica_follows_the_token_budget():
         ({"min_replicas": 1}, "both min_replicas and max_replicas"),
         ({"min_replicas": 3, "max_replicas": 2}, "above max_replicas"),
         ({"target_ongoing_requests": 0}, "target_ongoing_requests must be a number > 0"),
+        ({"num_gpus_per_replica": float("nan")}, "num_gpus_per_replica must be a number >= 0"),
+        ({"num_cpus_per_replica": float("inf")}, "num_cpus_per_replica must be a number >= 0"),
+        ({"replicas": 3, "min_replicas": 1, "max_replicas": 4}, "not both"),
+        ({"target_ongoing_requests": 4}, "give min_replicas and max_replicas"),
+        (
+            {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": float("nan")},
+            "target_ongoing_requests must be a number > 0",
+        ),
     ],
 )
 def test_replica_options_refuse_bad_values(options, message):
@@ -55,6 +64,21 @@ def test_build_refuses_unknown_and_malformed_arguments(served_model_dir):
         build({"model": str(served_model_dir), "replicas": "two"})
     with pytest.raises(XgrError, match="expected true or false"):
         build({"demo": "maybe"})
+    model = str(served_model_dir)
+    for args, message in [
+        ({"model": model, "warm_up_tokens": "abc"}, "warm_up_tokens='abc'"),
+        ({"model": model, "warm_up_tokens": "-5"}, "warm_up_tokens must be an integer >= 0"),
+        ({"model": model, "prompt_tokens": "-192"}, "prompt_tokens must be a positive integer"),
+        ({"model": model, "graceful_shutdown_timeout_s": "nan"}, "must be a number >= 0"),
+        ({}, "give model=DIR or demo=true"),
+        ({"model": model, "demo": "true"}, "give model=DIR or demo=true"),
+        ({"model": "/no/such/folder"}, "not found: /no/such/folder"),
+        ({"model": model, "catalog": "/no/such.json"}, "not found: /no/such.json"),
+        ({"model": model, "dtype": "float99"}, "dtype must be one of"),
+        ({"model": model, "device": "tpu"}, "device must be cpu or cuda"),
+    ]:
+        with pytest.raises(XgrError, match=message):
+            build(args)
 
 
 @pytest.fixture(scope="module")
@@ -271,3 +295,32 @@ def test_sigterm_drains_the_replicas(served_model_dir, engine):
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--num-gpus-per-replica", "1"], "need 1 GPUs; the Ray cluster has 0"),
+        (["--replicas", "0"], "Invalid value for '--replicas'"),
+        (["--min-replicas", "1"], "both min_replicas and max_replicas"),
+    ],
+)
+def test_serve_ray_refuses_what_it_cannot_run(served_model_dir, options, message):
+    """Replicas the cluster cannot hold are refused at once (Serve would wait for them
+    forever), as are bad options."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("ray.serve")
+    if "GPUs" in message:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("the local cluster has a GPU")
+    run = subprocess.run(
+        [sys.executable, "-m", "xgr.cli", "serve", "--ray", "--model", str(served_model_dir),
+         "--port", "1", *options],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode != 0
+    assert message in run.stderr, run.stderr[-2000:]

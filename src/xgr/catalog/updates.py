@@ -43,13 +43,18 @@ def apply_update(catalog: ItemCatalog, update: CatalogUpdate) -> ItemCatalog:
 
     Raises:
         XgrError: naming what is wrong (nothing changes): an empty update; ``replace``
-            with other changes; adding an item the catalog has, or with codes of other
-            levels or outside the codebook; removing an item it lacks; setting an
-            attribute it lacks, on an item it lacks, or of the wrong type.
+            not an ``ItemCatalog``, or with other changes; adding an item the catalog has,
+            or with codes of other levels or outside the codebook; removing an item it
+            lacks; setting an attribute it lacks, on an item it lacks, or of the wrong type.
     """
     if not (update.add or update.remove or update.set_attributes or update.replace is not None):
         raise XgrError("an update needs items to add or remove, attributes to set, or a catalog")
     if update.replace is not None:
+        if not isinstance(update.replace, ItemCatalog):
+            raise XgrError(
+                f"replace takes an ItemCatalog (ItemCatalog.from_index_dict reads an index), "
+                f"got {type(update.replace).__name__}"
+            )
         if update.add or update.remove:
             raise XgrError("replace takes the whole catalog: no add or remove beside it")
         # A copy: the caller's catalog (or a served version given back) is not changed.

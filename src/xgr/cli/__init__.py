@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import time
 from pathlib import Path
@@ -214,6 +213,10 @@ def evaluate(source, k, beam_width, max_users, output) -> None:
             fail(exc)
 
 
+# The defaults of serve's HTTP options (``HttpConfig``): with --ray, others are noted as unused.
+HTTP_DEFAULTS = (10.0, 10.0, 5.0, 8192, False)
+
+
 @main.command(short_help="Serve the HTTP API (recommend, completions).")
 @engine_options
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -374,6 +377,15 @@ def serve(
     except (OSError, UnicodeError) as exc:
         raise click.UsageError(f"--host {host!r} cannot be resolved: {exc}") from exc
     if on_ray:
+        from xgr.cli.ray_app import serve_on_ray
+
+        http = (header_timeout, body_timeout, keep_alive_timeout, max_connections, access_log)
+        if http != HTTP_DEFAULTS:
+            note = (
+                "note: --ray serves through Serve's proxy; the HTTP options of xgr's own "
+                "server (timeouts, --max-connections, --access-log) do not apply"
+            )
+            click.echo(note, err=True)
         return serve_on_ray(source, config, options, host, port, warm_up_tokens)
     engine = source.load(cuda_streams=config.streams)
     try:
@@ -384,42 +396,6 @@ def serve(
     except XgrError as exc:
         fail(exc)
     run_server(app, host, port, http_config)
-
-
-def serve_on_ray(source, config, options, host: str, port: int, warm_up_tokens: int) -> None:
-    """``xgr serve --ray``: the replicas' application on Ray Serve until SIGTERM or Ctrl-C,
-    then Serve shut down (each replica finishes the requests it has)."""
-    import signal
-    import threading
-
-    from xgr.server.ray_serve import PROXY_CALLBACK, application
-
-    try:
-        app = application(source, config, options, warm_up_tokens, warm_up_tokens or 1000)
-        import ray
-        from ray import serve
-    except XgrError as exc:
-        fail(exc)
-    # A local cluster's proxy answers 503 for a request whose replica died (inherited env).
-    os.environ.setdefault(*PROXY_CALLBACK)
-    ray.init(ignore_reinit_error=True, log_to_driver=False)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which sets its own
-        signal.signal(sig, lambda *_: stop.set())
-    try:
-        serve.start(http_options={"host": host, "port": port})
-        try:
-            serve.run(app, name="xgr", route_prefix="/")
-        except RuntimeError as exc:  # a replica failed to start: its error is in the text
-            raise click.ClickException(f"the replicas did not start: {exc}") from exc
-        click.echo(f"xgr on Ray Serve at http://{host}:{port} ({options.replicas} replicas)")
-        stop.wait()
-        # Deleting the application first lets each replica finish the requests routed to it
-        # (Serve's graceful shutdown) while the proxy still holds their connections.
-        serve.delete("xgr")
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 # The bench group registers itself on ``main``.

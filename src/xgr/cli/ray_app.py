@@ -1,16 +1,110 @@
-"""``serve run xgr.cli.ray_app:build key=value ...``: the Ray Serve application of
-``xgr serve --ray`` from Serve's own command line (``xgr.server.ray_serve``)."""
+"""``xgr serve --ray`` (``serve_on_ray``), and ``serve run xgr.cli.ray_app:build key=value
+...``: the Ray Serve application from Serve's own command line (``xgr.server.ray_serve``)."""
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import threading
+import uuid
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from xgr.cli.options import DEFAULT_CACHE, ModelSource
+import click
+
+from xgr.cli.options import DEFAULT_CACHE, ModelSource, fail
 from xgr.core import XgrError
 from xgr.server.config import ServerConfig
-from xgr.server.ray_serve import ReplicaOptions, application
+from xgr.server.ray_replicas import wait_idle
+from xgr.server.ray_serve import DEPLOYMENT, PROXY_CALLBACK, ReplicaOptions, application
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def serve_on_ray(
+    source: ModelSource,
+    config: ServerConfig,
+    options: ReplicaOptions,
+    host: str,
+    port: int,
+    warm_up_tokens: int,
+) -> None:
+    """The replicas' application on Ray Serve (the cluster ``RAY_ADDRESS`` names, else a
+    local one) until SIGTERM or Ctrl-C; then, once the replicas have answered every request
+    that came in (``wait_idle``), the application is deleted and Serve shut down. A signal
+    while the replicas start stops at once; replicas the cluster cannot hold are refused.
+    """
+    hub_name = f"xgr-catalog-hub-{uuid.uuid4().hex}"
+    try:
+        app = application(source, config, options, warm_up_tokens, warm_up_tokens or 1000, hub_name)
+        import ray
+        from ray import serve
+    except XgrError as exc:
+        fail(exc)
+    # A local cluster's proxy answers 503 for a request whose replica died (inherited env).
+    os.environ.setdefault(*PROXY_CALLBACK)
+    ray.init(ignore_reinit_error=True, log_to_driver=False)
+    stop = threading.Event()
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which sets its own
+        signal.signal(sig, interrupt)
+    try:
+        _refuse_unplaceable(ray.cluster_resources(), options)
+        serve.start(http_options={"host": host, "port": port})
+        try:
+            serve.run(app, name="xgr", route_prefix="/")
+        except RuntimeError as exc:
+            raise click.ClickException(f"the replicas did not start: {_why(serve)}") from exc
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        count = options.replicas if not options.autoscaling else (
+            f"{options.min_replicas}-{options.max_replicas}"
+        )  # fmt: skip
+        click.echo(f"xgr on Ray Serve at http://{host}:{port} ({count} replicas)")
+        stop.wait()
+        # Requests queued at the proxy still reach the replicas until they are idle; the
+        # deletion then waits for the replicas themselves.
+        wait_idle(hub_name, options.graceful_shutdown_timeout_s)
+        serve.delete("xgr")
+    except KeyboardInterrupt:
+        click.echo("stopped while the replicas started", err=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _refuse_unplaceable(resources: dict, options: ReplicaOptions) -> None:
+    """Refuse replicas the cluster cannot hold (Serve would wait for them forever)."""
+    count = options.min_replicas if options.autoscaling else options.replicas
+    for name, each in (
+        ("GPU", options.num_gpus_per_replica),
+        ("CPU", options.num_cpus_per_replica),
+    ):
+        have = resources.get(name, 0.0)
+        if count * each > have:
+            raise click.ClickException(
+                f"{count} replicas of {each:g} {name}s each need {count * each:g} {name}s; the "
+                f"Ray cluster has {have:g}"
+            )
+
+
+def _why(serve) -> str:
+    """The deployment's own error (a replica's) from Serve's status."""
+    try:
+        deployment = serve.status().applications["xgr"].deployments[DEPLOYMENT]
+    except Exception:  # noqa: BLE001 (Serve already gone: no better message)
+        return "see the Ray logs"
+    lines = [line for line in deployment.message.splitlines() if line.strip()]
+    if not lines:
+        return deployment.status
+    # The message ends with the replica's traceback: its last line is the error itself.
+    error = re.match(r"[\w.]+(?:Error|Exception): (.*)", lines[-1].strip())
+    return error.group(1) if error else lines[-1].strip()
 
 
 def build(args: dict[str, str]):
@@ -19,9 +113,13 @@ def build(args: dict[str, str]):
     ``ReplicaOptions`` and the ``ServerConfig`` fields, by name.
 
     Raises:
-        XgrError: an unknown key or a value of the wrong type.
+        XgrError: an unknown key, a value of the wrong type, neither or both of ``model``
+            and ``demo``, a model folder or catalog that is not there, an unknown dtype or
+            device.
     """
     args = dict(args)
+    warm_up_tokens = _number(int, "warm_up_tokens", args.pop("warm_up_tokens", "0"))
+    prompt_tokens = _number(int, "prompt_tokens", args.pop("prompt_tokens", "0")) or None
     source = ModelSource(
         demo=_flag(args.pop("demo", "false")),
         model_dir=Path(args.pop("model")) if "model" in args else None,
@@ -30,13 +128,14 @@ def build(args: dict[str, str]):
         device=args.pop("device", "cpu"),
         cache_dir=Path(args.pop("cache_dir", DEFAULT_CACHE)),
     )
-    warm_up_tokens = int(args.pop("warm_up_tokens", 0))
-    prompt_tokens = int(args.pop("prompt_tokens", warm_up_tokens or 1000))
+    _check(source)
     options = ReplicaOptions(**_typed(ReplicaOptions, args))
     config = ServerConfig(**_typed(ServerConfig, args))
     if args:
         raise XgrError(f"unknown arguments: {', '.join(sorted(args))}")
-    return application(source, config, options, warm_up_tokens, prompt_tokens)
+    return application(
+        source, config, options, warm_up_tokens, prompt_tokens or warm_up_tokens or 1000
+    )
 
 
 def _typed(cls, args: dict[str, str]) -> dict[str, Any]:
@@ -47,16 +146,36 @@ def _typed(cls, args: dict[str, str]) -> dict[str, Any]:
         if field.name in args:
             text = args.pop(field.name)
             kind = str(field.type)
-            try:
-                if "int" in kind and "float" not in kind:
-                    out[field.name] = int(text)
-                elif "float" in kind:
-                    out[field.name] = float(text)
-                else:
-                    out[field.name] = text
-            except ValueError as exc:
-                raise XgrError(f"{field.name}={text!r}: {exc}") from exc
+            if "int" in kind and "float" not in kind:
+                out[field.name] = _number(int, field.name, text)
+            elif "float" in kind:
+                out[field.name] = _number(float, field.name, text)
+            else:
+                out[field.name] = text
     return out
+
+
+def _number(kind: type, name: str, text: str):
+    try:
+        return kind(text)
+    except ValueError as exc:
+        raise XgrError(f"{name}={text!r}: {exc}") from exc
+
+
+def _check(source: ModelSource) -> None:
+    """Refuse here, before any replica starts, what every replica would refuse."""
+    if source.demo == (source.model_dir is not None):
+        raise XgrError("give model=DIR or demo=true (one of them)")
+    paths = [p for _, p in source.catalog_paths]
+    if source.model_dir is not None:
+        paths.insert(0, source.model_dir)
+    missing = [str(p) for p in paths if not p.exists()]
+    if missing:
+        raise XgrError(f"not found: {', '.join(missing)}")
+    if source.dtype not in DTYPES:
+        raise XgrError(f"dtype must be one of {', '.join(DTYPES)}, got {source.dtype!r}")
+    if source.device.split(":")[0] not in ("cpu", "cuda"):
+        raise XgrError(f"device must be cpu or cuda, got {source.device!r}")
 
 
 def _flag(text: str) -> bool:

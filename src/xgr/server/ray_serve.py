@@ -18,21 +18,18 @@ needs the ``ray[serve]`` extra (``pip install "xgr[ray]"``).
 from __future__ import annotations
 
 import logging
-import threading
-import time
+import math
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from xgr.core import XgrError
 from xgr.server.config import ServerConfig
+from xgr.server.ray_replicas import Counted, RayReplicas
 
 logger = logging.getLogger(__name__)
 
 DEPLOYMENT = "xgr"
-REPORT_S = 0.5  # how often a replica reports to the hub and applies the others' changes
-STALE_S = 10.0  # a replica not heard from for this long is left out (it died)
-LEASE_S = 120.0  # the longest one catalog change may take across the replicas
 # A replica's batches in flight besides the one being formed: its streams x the engine's
 # default pipeline depth (``Engine.max_in_flight``).
 PIPELINE_DEPTH = 2
@@ -64,6 +61,10 @@ class ReplicaOptions:
     graceful_shutdown_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
+        if self.replicas != 1 and self.min_replicas is not None:
+            raise XgrError(
+                "give replicas, or min_replicas and max_replicas (autoscaling), not both"
+            )
         for name in ("replicas", "min_replicas", "max_replicas"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -71,7 +72,7 @@ class ReplicaOptions:
                 raise XgrError(f"{name} must be a positive integer, got {value!r}")
         for name in ("num_gpus_per_replica", "num_cpus_per_replica", "graceful_shutdown_timeout_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            if not _finite(value) or value < 0:
                 raise XgrError(f"{name} must be a number >= 0, got {value!r}")
         if (self.min_replicas is None) != (self.max_replicas is None):
             raise XgrError("autoscaling needs both min_replicas and max_replicas")
@@ -80,20 +81,33 @@ class ReplicaOptions:
                 f"min_replicas {self.min_replicas} is above max_replicas {self.max_replicas}"
             )
         target = self.target_ongoing_requests
-        if target is not None and (isinstance(target, bool) or not isinstance(target, int | float)
-                                   or target <= 0):  # fmt: skip
+        if target is not None and (not _finite(target) or target <= 0):
             raise XgrError(f"target_ongoing_requests must be a number > 0, got {target!r}")
+        if target is not None and not self.autoscaling:
+            raise XgrError(
+                "target_ongoing_requests is autoscaling's: give min_replicas and max_replicas"
+            )
 
     @property
     def autoscaling(self) -> bool:
         return self.min_replicas is not None
 
 
+def _finite(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+
+
 def routed_per_replica(config: ServerConfig, prompt_tokens: int, levels: int = 3) -> int:
     """The most requests Serve routes to one replica at once: the requests its batches in
     flight and the one being formed hold, each batch as many as the token budget
     (``max_batch_tokens``) takes of requests of ``prompt_tokens`` searched with the
-    default beam width, at most ``max_batch_size``; at most the replica's queue."""
+    default beam width, at most ``max_batch_size``; at most the replica's queue.
+
+    Raises:
+        XgrError: ``prompt_tokens`` is not a positive integer.
+    """
+    if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int) or prompt_tokens < 1:
+        raise XgrError(f"prompt_tokens must be a positive integer, got {prompt_tokens!r}")
     per_request = prompt_tokens + config.default_beam_width * levels
     per_batch = max(1, min(config.max_batch_size, config.max_batch_tokens // per_request))
     return max(1, min(config.max_queue, per_batch * (config.streams * PIPELINE_DEPTH + 1)))
@@ -124,208 +138,7 @@ class XgrReplica:
             self.engine.warm_up(warm_up_tokens, beam, beam, config.max_batch_size)
 
     def __serve_build_asgi_app__(self):
-        return self.xgr_app
-
-
-class CatalogHub:
-    """What the replicas of one application share, held by one Ray actor (``hub``): the
-    log of catalog changes in the order they were made, the lease that lets one replica at a
-    time make one, and each replica's last report (changes applied, metrics text)."""
-
-    def __init__(self) -> None:
-        self.log: list[Any] = []
-        self.holder: tuple[str, float] | None = None  # (replica, since: monotonic s)
-        self.reports: dict[str, dict] = {}
-
-    def acquire(self, replica: str) -> bool:
-        """Take the lease (True), unless another replica holds it (a lease older than
-        ``LEASE_S`` is taken back: its holder died)."""
-        now = time.monotonic()
-        if self.holder is not None and self.holder[0] != replica and now - self.holder[1] < LEASE_S:
-            return False
-        self.holder = (replica, now)
-        return True
-
-    def release(self, replica: str) -> None:
-        if self.holder is not None and self.holder[0] == replica:
-            self.holder = None
-
-    def append(self, replica: str, change: Any) -> int:
-        """Log a change the lease holder applied; its number (from 1)."""
-        if self.holder is None or self.holder[0] != replica:
-            raise XgrError("a catalog change was logged without the lease")
-        self.log.append(change)
-        return len(self.log)
-
-    def since(self, applied: int) -> list[tuple[int, Any]]:
-        """The changes after the first ``applied``, numbered."""
-        return list(enumerate(self.log[applied:], start=applied + 1))
-
-    def report(self, replica: str, applied: int, metrics: bytes, failed: str | None) -> None:
-        self.reports[replica] = {
-            "applied": applied, "metrics": metrics, "failed": failed, "at": time.monotonic(),
-        }  # fmt: skip
-
-    def live(self) -> dict[str, dict]:
-        """The reports of the replicas heard from in the last ``STALE_S`` (the others are
-        forgotten)."""
-        now = time.monotonic()
-        self.reports = {r: v for r, v in self.reports.items() if now - v["at"] < STALE_S}
-        return self.reports
-
-
-class RayReplicas:
-    """``xgr.server.replicas.Replicas`` on Ray Serve: the siblings are the deployment's
-    replicas, their shared state the application's ``CatalogHub`` actor. A thread reports
-    this replica every ``REPORT_S`` and applies the changes the others logged."""
-
-    def __init__(self, hub_name: str) -> None:
-        from ray import serve
-
-        context = serve.get_replica_context()
-        self.app_name, self.deployment = context.app_name, context.deployment
-        self.id = context.replica_id.unique_id
-        self.hub = hub(hub_name)
-        self.applied = 0
-        self.failed: str | None = None
-        self._apply = None
-        self._metrics = None
-        self._lock = threading.Lock()  # one catch-up at a time
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self, apply, metrics) -> None:
-        self._apply, self._metrics = apply, metrics
-        self._catch_up()
-        self._report()
-        self._thread = threading.Thread(target=self._follow, name="xgr-replicas", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _follow(self) -> None:
-        while not self._stop.wait(REPORT_S):
-            try:
-                self._catch_up()
-                self._report()
-            except Exception:  # the hub unreachable for a while: try again next time
-                logger.exception("replica %s: reporting to the catalog hub failed", self.id)
-
-    def _catch_up(self) -> None:
-        """Apply the changes logged since this replica's last (in order)."""
-        import ray
-
-        with self._lock:
-            for number, change in ray.get(self.hub.since.remote(self.applied)):
-                if self._apply is None:
-                    self.failed = "the admin API is off here: catalog changes cannot be applied"
-                else:
-                    try:
-                        self._apply(change)
-                    except XgrError as exc:  # the replica that made it applied it
-                        self.failed = f"change {number}: {exc}"
-                        logger.error("replica %s: %s", self.id, self.failed)
-                self.applied = number
-
-    def _report(self) -> None:
-        import ray
-
-        ray.get(self.hub.report.remote(self.id, self.applied, self._metrics(), self.failed))
-
-    def waiting(self) -> str | None:
-        from ray import serve
-
-        status = serve.status().applications[self.app_name]
-        deployment = status.deployments[self.deployment]
-        states = dict(deployment.replica_states)
-        running = states.pop("RUNNING", 0)
-        if deployment.status != "HEALTHY" or any(states.values()):
-            waiting = ", ".join(f"{n} {state.lower()}" for state, n in states.items() if n)
-            return f"{running} replicas running, {waiting or 'deployment ' + deployment.status}"
-        return None
-
-    def metrics(self, own: bytes) -> bytes:
-        import ray
-
-        texts = {r: v["metrics"] for r, v in ray.get(self.hub.live.remote()).items()}
-        texts[self.id] = own
-        return labelled(texts)
-
-    def change(self, change, apply):
-        import ray
-
-        deadline = time.monotonic() + LEASE_S
-        while not ray.get(self.hub.acquire.remote(self.id)):
-            if time.monotonic() > deadline:
-                raise XgrError("another replica's catalog change has not ended: try again")
-            time.sleep(0.05)
-        try:
-            self._catch_up()  # the others' changes first: the same order everywhere
-            with self._lock:
-                answer = apply(change)  # refused: nothing logged, nothing changed
-                self.applied = ray.get(self.hub.append.remote(self.id, change))
-        finally:
-            self.hub.release.remote(self.id)
-        self._report()
-        self._wait_applied(self.applied)
-        return answer
-
-    def _wait_applied(self, number: int) -> None:
-        """Until every replica heard from has applied change ``number``.
-
-        Raises:
-            XgrError: one failed to apply it, or they did not within ``LEASE_S``.
-        """
-        import ray
-
-        deadline = time.monotonic() + LEASE_S
-        while True:
-            reports = ray.get(self.hub.live.remote())
-            failed = [f"{r}: {v['failed']}" for r, v in reports.items() if v["failed"]]
-            if failed:
-                raise XgrError(f"replicas failed to apply catalog changes: {'; '.join(failed)}")
-            behind = [r for r, v in reports.items() if v["applied"] < number]
-            if not behind:
-                return
-            if time.monotonic() > deadline:
-                raise XgrError(f"replicas {', '.join(behind)} did not apply the change in time")
-            time.sleep(REPORT_S / 4)
-
-
-def hub(name: str):
-    """The ``CatalogHub`` actor of this name, made by the first replica that asks; detached,
-    so that it outlives any one replica (each ``application`` names a new one)."""
-    import ray
-
-    remote = ray.remote(num_cpus=0)(CatalogHub)
-    return remote.options(name=name, get_if_exists=True, lifetime="detached").remote()
-
-
-def labelled(texts: dict[str, bytes]) -> bytes:
-    """Several replicas' Prometheus texts as one, each sample labelled ``replica``."""
-    from prometheus_client.parser import text_string_to_metric_families
-    from prometheus_client.utils import floatToGoString
-
-    families: dict[str, tuple[str, str, list[str]]] = {}
-    for replica, text in sorted(texts.items()):
-        for family in text_string_to_metric_families(text.decode()):
-            _, _, lines = families.setdefault(family.name, (family.documentation, family.type, []))
-            for sample in family.samples:
-                labels = {**sample.labels, "replica": replica}
-                shown = ",".join(f'{k}="{_escaped(v)}"' for k, v in labels.items())
-                lines.append(f"{sample.name}{{{shown}}} {floatToGoString(sample.value)}")
-    out = []
-    for name, (documentation, kind, lines) in families.items():
-        shown = f"{name}_total" if kind == "counter" else name  # as prometheus_client writes it
-        out += [f"# HELP {shown} {_escaped(documentation, quote=False)}", f"# TYPE {shown} {kind}"]
-        out += lines
-    return ("\n".join(out) + "\n").encode()
-
-
-def _escaped(text: str, quote: bool = True) -> str:
-    text = text.replace("\\", "\\\\").replace("\n", "\\n")
-    return text.replace('"', '\\"') if quote else text
+        return Counted(self.xgr_app, self.replicas)
 
 
 # The Serve proxy's callback that adds ``AnswerLostRequests`` (set where the cluster starts;
@@ -380,20 +193,31 @@ def application(
     options: ReplicaOptions,
     warm_up_tokens: int = 0,
     prompt_tokens: int = 1000,
+    hub_name: str | None = None,
 ):
     """The Serve application of ``options.replicas`` xgr replicas (``serve.run`` it).
 
     Args:
         source: the model (``XgrReplica``).
         prompt_tokens: typical prompt length, for ``routed_per_replica``.
+        hub_name: the name of the replicas' ``CatalogHub`` (default: a new one).
 
     Raises:
-        XgrError: Ray Serve is not installed.
+        XgrError: Ray Serve is not installed, or ``warm_up_tokens`` or ``prompt_tokens`` is
+            not a count.
     """
     try:
         from ray import serve
     except ImportError as exc:
         raise XgrError('Ray Serve is not installed: pip install "xgr[ray]"') from exc
+    from ray.serve.config import BackpressureConfig
+
+    if (
+        isinstance(warm_up_tokens, bool)
+        or not isinstance(warm_up_tokens, int)
+        or warm_up_tokens < 0
+    ):
+        raise XgrError(f"warm_up_tokens must be an integer >= 0, got {warm_up_tokens!r}")
     routed = routed_per_replica(config, prompt_tokens)
     actor = {"num_cpus": options.num_cpus_per_replica, "num_gpus": options.num_gpus_per_replica}
     scaling: dict[str, Any] = {"num_replicas": options.replicas}
@@ -410,7 +234,12 @@ def application(
         name=DEPLOYMENT,
         ray_actor_options=actor,
         max_ongoing_requests=routed,
+        # What waits beyond the replicas' share, at each proxy, is bounded as the server's
+        # own queue, and more is answered as the server would: 429 with Retry-After.
+        max_queued_requests=config.max_queue,
+        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=1),
         graceful_shutdown_timeout_s=options.graceful_shutdown_timeout_s,
         **scaling,
     )
-    return deployment.bind(source, config, warm_up_tokens, f"xgr-catalog-hub-{uuid.uuid4().hex}")
+    hub_name = hub_name or f"xgr-catalog-hub-{uuid.uuid4().hex}"
+    return deployment.bind(source, config, warm_up_tokens, hub_name)
