@@ -75,7 +75,9 @@ def capture_lanes(
     spec: DecodeSpec, lanes: Sequence[Lane], batches: tuple, beam_width: int, top_k: int
 ) -> int:
     """Run on every lane the batches ``warm_up_batches`` gives, capturing their graphs
-    (``Engine.warm_up``).
+    (``Engine.warm_up``), and one batch of each size again with trie masks allowing every
+    path: the decode graphs of batches with item rules (the server's history exclusion
+    gives every request some) are others.
 
     Args:
         spec: the engine's ``DecodeSpec``.
@@ -93,9 +95,17 @@ def capture_lanes(
         lane.graphs.reserve(most)  # growing the pool later would drop the graphs
         stream = lane.stream
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            sizes = set()
             for lens in prompt_lens:
                 prompts = [[PREFILL_PAD_TOKEN] * n for n in lens]
                 generate_semantic_ids(spec, prompts, beam_width, top_k, lane.graphs)
+                if len(lens) not in sizes:
+                    sizes.add(len(lens))
+                    masks = functools.partial(_every_path, spec, len(lens))
+                    launch = launch_semantic_ids(
+                        spec, prompts, beam_width, top_k, lane.graphs, None, masks
+                    )
+                    launch.wait()
     torch.cuda.synchronize(graphs[0].model.lm_head.weight.device)
     return sum(g.captures for g in graphs) - before
 
