@@ -307,14 +307,6 @@ HTTP_DEFAULTS = (10.0, 10.0, 5.0, 8192, False)
     help="Largest body of a catalog update (then 413).",
 )
 @click.option(
-    "--switch-interval-ms",
-    type=float,
-    default=None,
-    help="The interpreter's thread switch interval while serving (ms; default 0.1 with "
-    "--admin-token, so that a catalog update building beside the requests holds them up "
-    "little, else Python's 5).",
-)
-@click.option(
     "--ray",
     "on_ray",
     is_flag=True,

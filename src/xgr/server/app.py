@@ -71,6 +71,11 @@ BODY_NOT_PARSED = (
 )
 
 
+# How often the server's threads hand the interpreter lock to each other (s). While a
+# CPU-bound thread runs (a catalog update building a million-item version), every socket
+# read or queue wait of the event loop and the batch threads costs one interval to get the
+# lock back: Python's 5 ms would stall serving for the whole update.
+SWITCH_INTERVAL_S = 0.0001
 
 
 class AdminAuthError(XgrError):
@@ -168,8 +173,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         switch_interval = sys.getswitchinterval()
-        if config.switch_interval_s is not None:
-            sys.setswitchinterval(config.switch_interval_s)
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         batcher.start()
         # /ready turns 200 only after one real generation: the first request pays no warm-up.
         for name, prompt in warm_ups:

@@ -10,13 +10,6 @@ from xgr.core import XgrError, positive_int
 from xgr.scheduler.requests import check_max_batch_ms
 from xgr.server.schemas import MAX_BEAM_WIDTH
 
-# The switch interval with the admin API on (ms). While a CPU-bound thread runs (a catalog
-# update building a million-item version), every socket read or queue wait of the event
-# loop and the batch threads costs up to one interval to get the lock back: Python's 5 ms
-# would stall serving for the whole update. Without updates, the more frequent switches
-# cost throughput.
-ADMIN_SWITCH_INTERVAL_MS = 0.1
-
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -36,8 +29,6 @@ class ServerConfig:
         admin_token: the bearer token of the catalog admin API (``/v1/catalog``); None
             leaves the API off.
         max_catalog_body_bytes: largest body of a catalog update (a whole index JSON).
-        switch_interval_ms: the interpreter's thread switch interval while serving (ms);
-            None: ``ADMIN_SWITCH_INTERVAL_MS`` with the admin API on, else Python's own.
     """
 
     max_beam_width: int = 512
@@ -50,7 +41,6 @@ class ServerConfig:
     max_batch_ms: float | None = None
     admin_token: str | None = None
     max_catalog_body_bytes: int = 1 << 28
-    switch_interval_ms: float | None = None
 
     def __post_init__(self) -> None:
         names = ("max_beam_width", "default_beam_width", "max_batch_size", "max_body_bytes")
@@ -66,16 +56,6 @@ class ServerConfig:
             )
         if self.default_beam_width > self.max_beam_width:
             raise XgrError("ServerConfig.default_beam_width exceeds max_beam_width")
-        interval = self.switch_interval_ms
-        if interval is not None and (
-            isinstance(interval, bool)
-            or not isinstance(interval, int | float)
-            or not 0.001 <= interval <= 1000
-        ):
-            raise XgrError(
-                f"ServerConfig.switch_interval_ms must be a number in [0.001, 1000], got "
-                f"{interval!r}"
-            )
         token = self.admin_token
         if token is not None and (
             not isinstance(token, str)
@@ -86,14 +66,6 @@ class ServerConfig:
             raise XgrError(
                 "the admin token must be at least 16 printable ASCII characters without spaces"
             )
-
-
-    @property
-    def switch_interval_s(self) -> float | None:
-        """The switch interval to serve with (s); None: leave Python's."""
-        if self.switch_interval_ms is not None:
-            return self.switch_interval_ms / 1e3
-        return ADMIN_SWITCH_INTERVAL_MS / 1e3 if self.admin_token else None
 
 
 class BodySizeLimit:
