@@ -32,6 +32,28 @@ def test_routed_per_replica_follows_the_token_budget():
     assert routed_per_replica(ServerConfig(max_batch_tokens=100), 5000) == 3  # one a batch
 
 
+def test_the_deployment_routes_each_replica_its_batches_and_queues_as_the_server(
+    served_model_dir,
+):
+    """Serve holds at most ``max_queue`` requests per proxy beyond the replicas' share and
+    answers more 429 with Retry-After (the server's own answer to a full queue)."""
+    pytest.importorskip("ray.serve")
+    from xgr.server.ray_serve import application
+
+    source = ModelSource(False, Path(served_model_dir), (), "float32", "cpu", Path("/x"))
+    config = ServerConfig(max_queue=7, max_batch_size=2)
+    deployment = application(source, config, ReplicaOptions(replicas=2), 0, 60)._bound_deployment
+    assert deployment.num_replicas == 2
+    assert deployment.max_ongoing_requests == routed_per_replica(config, 60) == 2 * 3
+    assert deployment.max_queued_requests == 7
+    backpressure = deployment._deployment_config.backpressure_config
+    assert (backpressure.status_code, backpressure.retry_after_s) == (429, 1.0)
+    scaled = application(source, config, ReplicaOptions(min_replicas=1, max_replicas=3), 0, 60)
+    autoscaling = scaled._bound_deployment._deployment_config.autoscaling_config
+    assert (autoscaling.min_replicas, autoscaling.max_replicas) == (1, 3)
+    assert autoscaling.target_ongoing_requests == 3  # half of what one replica is routed
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
