@@ -322,7 +322,7 @@ def test_sigterm_drains_the_replicas(served_model_dir, engine):
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        (["--num-gpus-per-replica", "1"], "need 1 GPUs; the Ray cluster has 0"),
+        (["--num-gpus-per-replica", "1"], "need 1 GPU in all; the Ray cluster has 0"),
         (["--replicas", "0"], "Invalid value for '--replicas'"),
         (["--min-replicas", "1"], "both min_replicas and max_replicas"),
     ],
@@ -334,7 +334,7 @@ def test_serve_ray_refuses_what_it_cannot_run(served_model_dir, options, message
     import sys
 
     pytest.importorskip("ray.serve")
-    if "GPUs" in message:
+    if "GPU" in message:
         import torch
 
         if torch.cuda.is_available():

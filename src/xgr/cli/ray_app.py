@@ -88,8 +88,8 @@ def _refuse_unplaceable(resources: dict, options: ReplicaOptions) -> None:
         have = resources.get(name, 0.0)
         if count * each > have:
             raise click.ClickException(
-                f"{count} replicas of {each:g} {name}s each need {count * each:g} {name}s; the "
-                f"Ray cluster has {have:g}"
+                f"{count} replica(s) of {each:g} {name} each need {count * each:g} {name} in "
+                f"all; the Ray cluster has {have:g}"
             )
 
 
