@@ -346,3 +346,73 @@ def test_serve_ray_refuses_what_it_cannot_run(served_model_dir, options, message
     )  # fmt: skip
     assert run.returncode != 0
     assert message in run.stderr, run.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("path", "app_sends", "status", "retry_after", "error"),
+    [
+        ("/v1/recommend", None, 503, b"1", "stopped before answering: retry"),
+        ("/v1/catalog", None, 503, None, "GET /v1/catalog shows the version"),
+        ("/v1/recommend", (429, b"text/plain"), 429, b"1", "the queue is full"),
+        ("/v1/recommend", (429, b"application/json"), 429, None, "the server's own"),
+    ],
+)
+def test_the_proxy_middleware_answers_lost_and_refused_requests(
+    path, app_sends, status, retry_after, error
+):
+    """A request whose replica died (the app ends without an answer) and Serve's own 429
+    are answered in xgr's error form; an answer already in it passes unchanged."""
+    import asyncio
+    import json
+
+    from xgr.server.ray_serve import AnswerLostRequests
+
+    async def app(scope, receive, send):
+        if app_sends is None:
+            raise RuntimeError("the replica died")
+        code, kind = app_sends
+        headers = [(b"content-type", kind), (b"retry-after", b"1")] if kind == b"text/plain" else [
+            (b"content-type", kind)
+        ]  # fmt: skip
+        await send({"type": "http.response.start", "status": code, "headers": headers})
+        body = b"Request dropped" if kind == b"text/plain" else b'{"error": "the server\'s own"}'
+        await send({"type": "http.response.body", "body": body})
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "path": path}
+    asyncio.run(AnswerLostRequests(app)(scope, None, send))
+    start, body = sent[0], b"".join(m.get("body", b"") for m in sent[1:])
+    headers = dict(start["headers"])
+    assert start["status"] == status
+    assert headers.get(b"retry-after") == retry_after
+    assert error in json.loads(body)["error"]
+
+
+def test_concurrent_catalog_changes_each_make_one_version_everywhere(ray_url, engine):
+    import asyncio
+
+    catalog = engine.catalog
+    removed = catalog.item_ids[-4:]  # four: the versions a rollback can return through
+
+    async def changes():
+        async with httpx.AsyncClient(base_url=ray_url, timeout=120, headers=ADMIN) as client:
+            posts = [client.post("/v1/catalog", json={"remove": [i]}) for i in removed]
+            return await asyncio.gather(*posts)
+
+    answers = asyncio.run(changes())
+    assert [a.status_code for a in answers] == [200] * len(removed), [a.text for a in answers]
+    versions = sorted(a.json()["catalog_version"] for a in answers)
+    assert versions == list(range(versions[0], versions[0] + len(removed)))
+    kept = catalog.item_ids[:20]
+    bodies = [{**b, "history": kept[:3]} for b in random_requests(catalog, 30, seed=17)]
+    for answer in asyncio.run(send_all(ray_url, bodies)):
+        assert answer.status_code == 200
+        assert answer.json()["catalog_version"] == versions[-1]
+        assert not {i["item_id"] for i in answer.json()["items"]} & set(removed)
+    for _ in removed:  # back to where the other tests left it
+        back = httpx.post(f"{ray_url}/v1/catalog/rollback", headers=ADMIN, timeout=120)
+        assert back.status_code == 200

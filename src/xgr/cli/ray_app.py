@@ -17,7 +17,7 @@ import click
 from xgr.cli.options import DEFAULT_CACHE, ModelSource, fail
 from xgr.core import XgrError
 from xgr.server.config import ServerConfig
-from xgr.server.ray_replicas import wait_idle
+from xgr.server.ray_replicas import hub, wait_idle
 from xgr.server.ray_serve import DEPLOYMENT, PROXY_CALLBACK, ReplicaOptions, application
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -33,8 +33,9 @@ def serve_on_ray(
 ) -> None:
     """The replicas' application on Ray Serve (the cluster ``RAY_ADDRESS`` names, else a
     local one) until SIGTERM or Ctrl-C; then, once the replicas have answered every request
-    that came in (``wait_idle``), the application is deleted and Serve shut down. A signal
-    while the replicas start stops at once; replicas the cluster cannot hold are refused.
+    that came in (``wait_idle``), the application is deleted, and a local Ray with it (on a
+    cluster, only the application and its hub go). Replicas the cluster cannot hold are
+    refused.
     """
     hub_name = f"xgr-catalog-hub-{uuid.uuid4().hex}"
     try:
@@ -43,6 +44,7 @@ def serve_on_ray(
         from ray import serve
     except XgrError as exc:
         fail(exc)
+    local = not os.environ.get("RAY_ADDRESS")
     # A local cluster's proxy answers 503 for a request whose replica died (inherited env).
     os.environ.setdefault(*PROXY_CALLBACK)
     ray.init(ignore_reinit_error=True, log_to_driver=False)
@@ -53,9 +55,15 @@ def serve_on_ray(
 
     for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which sets its own
         signal.signal(sig, interrupt)
+    deployed = False
     try:
         _refuse_unplaceable(ray.cluster_resources(), options)
-        serve.start(http_options={"host": host, "port": port})
+        try:
+            serve.start(http_options={"host": host, "port": port})
+        except Exception as exc:  # noqa: BLE001 (Ray wraps the proxy's bind error)
+            raise click.ClickException(f"Serve's proxy did not start on {host}:{port}: "
+                                       f"{str(exc).strip().splitlines()[-1]}") from exc  # fmt: skip
+        deployed = True
         try:
             serve.run(app, name="xgr", route_prefix="/")
         except RuntimeError as exc:
@@ -65,17 +73,21 @@ def serve_on_ray(
         count = options.replicas if not options.autoscaling else (
             f"{options.min_replicas}-{options.max_replicas}"
         )  # fmt: skip
-        click.echo(f"xgr on Ray Serve at http://{host}:{port} ({count} replicas)")
+        where = f"http://{host}:{port}" if local else "the cluster's Serve proxies"
+        click.echo(f"xgr on Ray Serve at {where} ({count} replicas)")
         stop.wait()
-        # Requests queued at the proxy still reach the replicas until they are idle; the
-        # deletion then waits for the replicas themselves.
-        wait_idle(hub_name, options.graceful_shutdown_timeout_s)
-        serve.delete("xgr")
     except KeyboardInterrupt:
-        click.echo("stopped while the replicas started", err=True)
+        click.echo("stopping while the replicas start", err=True)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        if deployed:
+            # Requests queued at the proxy still reach the replicas until they are idle;
+            # the deletion then waits for the replicas themselves.
+            wait_idle(hub_name, options.graceful_shutdown_timeout_s)
+            serve.delete("xgr")
+            ray.kill(hub(hub_name))
+        if local:
+            serve.shutdown()
+            ray.shutdown()
 
 
 def _refuse_unplaceable(resources: dict, options: ReplicaOptions) -> None:

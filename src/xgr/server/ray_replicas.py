@@ -32,11 +32,14 @@ class CatalogHub:
         self.reports: dict[str, dict] = {}
 
     def acquire(self, replica: str) -> bool:
-        """Take the lease (True), unless another replica holds it (a lease older than
-        ``LEASE_S`` is taken back: its holder died)."""
+        """Take the lease (True), unless another replica holds it. A lease is taken back
+        from a holder not heard from for ``STALE_S`` (it died), or held for ``LEASE_S``."""
         now = time.monotonic()
-        if self.holder is not None and self.holder[0] != replica and now - self.holder[1] < LEASE_S:
-            return False
+        if self.holder is not None and self.holder[0] != replica:
+            holder, since = self.holder
+            alive = holder in self.live() or now - since < STALE_S
+            if alive and now - since < LEASE_S:
+                return False
         self.holder = (replica, now)
         return True
 
@@ -93,6 +96,8 @@ class RayReplicas:
         self._apply = None
         self._metrics = None
         self._lock = threading.Lock()  # one catch-up at a time
+        self._changing = threading.Lock()  # one change of this replica's at a time
+        self._whole = False  # every replica has run once (``waiting``)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -139,6 +144,10 @@ class RayReplicas:
         ray.get(report)
 
     def waiting(self) -> str | None:
+        """Why not every replica has started yet; None once they all ran, and from then on
+        (a replacement or a scale-up does not take the service out of a load balancer)."""
+        if self._whole:
+            return None
         from ray import serve
 
         status = serve.status().applications[self.app_name]
@@ -148,6 +157,7 @@ class RayReplicas:
         if deployment.status != "HEALTHY" or any(states.values()):
             waiting = ", ".join(f"{n} {state.lower()}" for state, n in states.items() if n)
             return f"{running} replicas running, {waiting or 'deployment ' + deployment.status}"
+        self._whole = True
         return None
 
     def metrics(self, own: bytes) -> bytes:
@@ -158,6 +168,10 @@ class RayReplicas:
         return labelled(texts)
 
     def change(self, change, apply):
+        with self._changing:  # the lease is this replica's: one of its changes holds it
+            return self._change(change, apply)
+
+    def _change(self, change, apply):
         import ray
 
         deadline = time.monotonic() + LEASE_S

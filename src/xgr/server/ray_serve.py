@@ -17,6 +17,7 @@ needs the ``ray[serve]`` extra (``pip install "xgr[ray]"``).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import uuid
@@ -148,9 +149,10 @@ PROXY_CALLBACK = ("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", f"{__name__}:prox
 
 class AnswerLostRequests:
     """ASGI middleware for Serve's HTTP proxy: a request whose replica died before answering
-    (the proxy would end it with a bare 500) is answered 503 with ``Retry-After``, as any
-    request the server could not take, so the client retries it elsewhere; it did not run
-    to its end, so a retry does not run it twice."""
+    (the proxy would end it with a bare 500) is answered 503, with ``Retry-After`` where a
+    retry is safe (a search did not run to its end; a catalog change may have been logged,
+    so its answer says where to look instead); Serve's own 429 (its queue full) is answered
+    in xgr's error form."""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -158,12 +160,17 @@ class AnswerLostRequests:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        started = False
+        started, refused = False, None
 
         async def sending(message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
+            nonlocal started, refused
+            if message["type"] == "http.response.start":
+                started = True
+                if message["status"] == 429 and not _is_json(message):
+                    refused = message  # Serve's own queue full: answered below as the server's
+                    return
+            if refused is None:
+                await send(message)
 
         try:
             await self.app(scope, receive, sending)
@@ -171,12 +178,31 @@ class AnswerLostRequests:
             if started:
                 raise
             logger.exception("a request's replica failed before answering")
-        if not started:
-            body = b'{"error":"the replica serving the request stopped before answering: retry"}'
-            headers = [(b"content-type", b"application/json"), (b"retry-after", b"1"),
-                       (b"content-length", str(len(body)).encode())]  # fmt: skip
-            await send({"type": "http.response.start", "status": 503, "headers": headers})
-            await send({"type": "http.response.body", "body": body})
+        if refused is not None:
+            error = "the queue is full: retry later"
+            retry = [(k, v) for k, v in refused["headers"] if k.lower() == b"retry-after"]
+            await _answer(send, 429, error, retry)
+        elif not started:
+            if scope["path"].startswith("/v1/catalog"):  # a change may have been logged
+                error = "the replica stopped before answering: GET /v1/catalog shows the version"
+                await _answer(send, 503, error, [])
+            else:
+                error = "the replica serving the request stopped before answering: retry"
+                await _answer(send, 503, error, [(b"retry-after", b"1")])
+
+
+def _is_json(start: dict) -> bool:
+    types = [v for k, v in start.get("headers", []) if k.lower() == b"content-type"]
+    return any(v.startswith(b"application/json") for v in types)
+
+
+async def _answer(send, status: int, error: str, headers: list) -> None:
+    """Send xgr's error form: ``{"error": ...}`` with ``status``."""
+    body = json.dumps({"error": error}).encode()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode()), *headers]  # fmt: skip
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def proxy_middlewares() -> list:
