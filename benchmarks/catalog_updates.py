@@ -162,16 +162,15 @@ async def under_load(
         "after": window(outcomes, served + SETTLE_S, args.duration),
         "lost_reasons": pool.lost,
         "timeline": [
-            {"from_s": t, "requests": len(chosen), "p99_ms": p99(chosen)}
+            {
+                "from_s": t,
+                "requests": len(chosen),
+                "p99_ms": http_load.summary(chosen, TIMELINE_S)["p99_ms"],
+            }
             for t in np.arange(0.0, args.duration, TIMELINE_S).round(3).tolist()
             if (chosen := [o for o in outcomes if t <= o.start < t + TIMELINE_S])
-        ],
+        ],  # fmt: skip
     }
-
-
-def p99(outcomes) -> float | None:
-    ok = [o.latency * 1e3 for o in outcomes if o.status == 200]
-    return round(float(np.percentile(ok, 99)), 1) if ok else None
 
 
 def logged_captures(log: Path) -> list[dict]:

@@ -90,7 +90,7 @@ def test_build_refuses_unknown_and_malformed_arguments(served_model_dir):
     for args, message in [
         ({"model": model, "warm_up_tokens": "abc"}, "warm_up_tokens='abc'"),
         ({"model": model, "warm_up_tokens": "-5"}, "warm_up_tokens must be an integer >= 0"),
-        ({"model": model, "prompt_tokens": "-192"}, "prompt_tokens must be a positive integer"),
+        ({"model": model, "prompt_tokens": "-192"}, "prompt_tokens must be an integer >= 1"),
         ({"model": model, "graceful_shutdown_timeout_s": "nan"}, "must be a number >= 0"),
         ({}, "give model=DIR or demo=true"),
         ({"model": model, "demo": "true"}, "give model=DIR or demo=true"),

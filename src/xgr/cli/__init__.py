@@ -213,10 +213,6 @@ def evaluate(source, k, beam_width, max_users, output) -> None:
             fail(exc)
 
 
-# The defaults of serve's HTTP options (``HttpConfig``): with --ray, others are noted as unused.
-HTTP_DEFAULTS = (10.0, 10.0, 5.0, 8192, False)
-
-
 @main.command(short_help="Serve the HTTP API (recommend, completions).")
 @engine_options
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -379,8 +375,7 @@ def serve(
     if on_ray:
         from xgr.cli.ray_app import serve_on_ray
 
-        http = (header_timeout, body_timeout, keep_alive_timeout, max_connections, access_log)
-        if http != HTTP_DEFAULTS:
+        if http_config != HttpConfig():  # options of xgr's own HTTP server, unused here
             note = (
                 "note: --ray serves through Serve's proxy; the HTTP options of xgr's own "
                 "server (timeouts, --max-connections, --access-log) do not apply"

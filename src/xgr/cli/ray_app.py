@@ -16,11 +16,10 @@ import click
 
 from xgr.cli.options import DEFAULT_CACHE, ModelSource, fail
 from xgr.core import XgrError
+from xgr.models.loader import DTYPES
 from xgr.server.config import ServerConfig
 from xgr.server.ray_replicas import hub, wait_idle
 from xgr.server.ray_serve import DEPLOYMENT, PROXY_CALLBACK, ReplicaOptions, application
-
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 def serve_on_ray(

@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from xgr.core import XgrError
+from xgr.core import XgrError, positive_int
 from xgr.server.config import ServerConfig
 from xgr.server.ray_replicas import Counted, RayReplicas
 
@@ -105,10 +105,9 @@ def routed_per_replica(config: ServerConfig, prompt_tokens: int, levels: int = 3
     default beam width, at most ``max_batch_size``; at most the replica's queue.
 
     Raises:
-        XgrError: ``prompt_tokens`` is not a positive integer.
+        XgrError: ``prompt_tokens`` is not an integer >= 1.
     """
-    if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int) or prompt_tokens < 1:
-        raise XgrError(f"prompt_tokens must be a positive integer, got {prompt_tokens!r}")
+    prompt_tokens = positive_int("prompt_tokens", prompt_tokens)
     per_request = prompt_tokens + config.default_beam_width * levels
     per_batch = max(1, min(config.max_batch_size, config.max_batch_tokens // per_request))
     return max(1, min(config.max_queue, per_batch * (config.streams * PIPELINE_DEPTH + 1)))
