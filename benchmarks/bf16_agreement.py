@@ -44,9 +44,9 @@ from timing import run_environment  # noqa: E402
 
 from xgr import Engine  # noqa: E402
 from xgr.demo import DemoConfig, build_demo, load_movielens  # noqa: E402
-from xgr.demo.evaluate import score_items  # noqa: E402
 from xgr.demo.movielens import leave_one_out  # noqa: E402
 from xgr.evaluation.metrics import ndcg_at_k, recall_at_k  # noqa: E402
+from xgr.training.evaluate import score_items  # noqa: E402
 
 K = 10
 

@@ -6,8 +6,8 @@ import ast
 from pathlib import Path
 
 # Top to bottom, as docs/architecture.md lists them.
-ORDER = ["cli", "demo", "bench", "server", "client", "scheduler", "engine", "runner", "models",
-         "layers", "beam", "catalog", "evaluation", "kv", "kernels", "core"]  # fmt: skip
+ORDER = ["cli", "demo", "training", "bench", "server", "client", "scheduler", "engine", "runner",
+         "models", "layers", "beam", "catalog", "evaluation", "kv", "kernels", "core"]  # fmt: skip
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "xgr"
 
 

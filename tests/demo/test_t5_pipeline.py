@@ -21,8 +21,9 @@ from xgr.demo import (
     load_movielens,
     read_demo_metadata,
 )
-from xgr.demo.train_t5 import seq2seq_examples
 from xgr.engine.prompt import PROMPT_FORMAT_FILE
+from xgr.training.examples import seq2seq_examples
+from xgr.training.models import scratch_vocab
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,8 @@ def test_training_lowered_the_loss(model_dir):
 def test_examples_pair_each_history_with_the_next_item(model_dir, cache_dir):
     engine = Engine.from_pretrained(model_dir)
     sequence = leave_one_out(load_movielens(cache_dir)).histories[0][:12]
-    examples = seq2seq_examples([sequence], engine.catalog, max_history=8)
+    vocab = scratch_vocab(engine.catalog)
+    examples = seq2seq_examples([sequence], engine.catalog, 8, vocab.code_tokens, vocab.prefix)
     assert len(examples) == 11
     last = examples[10]  # target item 11, after the 8 most recent items 3..10
     assert last.input_ids.tolist() == engine.history_prompt(sequence[3:11])

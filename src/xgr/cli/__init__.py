@@ -155,62 +155,137 @@ def recommend(
     )
 
 
-@main.command("eval", short_help="Recall@K / NDCG@K of the demo model(s) on MovieLens.")
-@engine_options(demo_only=True)
-@click.option("--k", default=10, show_default=True, type=click.IntRange(1), help="Metric cut-off.")
+@main.command("eval", short_help="Recall@K / NDCG@K of a model on held-out interactions.")
+@engine_options(multi_arch=True)
+@click.option(
+    "--data",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Interactions to evaluate on: .txt (Amazon), .csv (MiniOneRec) or .jsonl (default "
+    "with --demo: its MovieLens data).",
+)
+@click.option(
+    "--split",
+    type=click.Choice(["test", "valid"]),
+    default="test",
+    show_default=True,
+    help="Leave-one-out's last items (test) or second to last (valid); a file of held-out "
+    "rows is its own test split.",
+)
+@click.option(
+    "--k", "ks", default=(10,), show_default=True, multiple=True, type=click.IntRange(1),
+    help="Metric cut-off; repeat for several.",
+)  # fmt: skip
 @click.option("--beam-width", default=64, show_default=True, type=click.IntRange(1))
 @click.option(
-    "--max-users", default=None, type=click.IntRange(min=1), help="Evaluate only the first users."
+    "--keep-history",
+    is_flag=True,
+    help="Keep a history's own items in its lists (default: excluded, for both rankings).",
 )
+@click.option(
+    "--popularity-data",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="The interactions most-popular counts (default: the training part of --data; for "
+    "held-out rows, their histories).",
+)
+@click.option("--max-users", default=None, type=click.IntRange(min=1),
+              help="Evaluate only the first cases.")  # fmt: skip
+@click.option("--batch-size", default=64, show_default=True, type=click.IntRange(1),
+              help="Prompts per engine call.")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option(
     "--output",
     type=click.Path(dir_okay=False, path_type=Path),
     help="Also write the figures as JSON here: one report, or with several --arch one per "
     "architecture, keyed by its name.",
 )
-def evaluate(source, k, beam_width, max_users, output) -> None:
-    """Leave-one-out Recall@K / NDCG@K of the demo model next to a most-popular baseline.
+def evaluate(
+    source, data, split, ks, beam_width, keep_history, popularity_data, max_users, batch_size,
+    as_json, output,
+) -> None:  # fmt: skip
+    """Recall@K / NDCG@K of the model next to a most-popular baseline, ranking the whole
+    catalog, each history's items excluded; ties (items sharing a semantic ID) in catalog
+    order.
 
-    Runs on the demo's MovieLens data, so it needs --demo. With several --arch, one row per
-    architecture's model on the same users.
+    With --data, on that file's held-out cases (leave-one-out for sequences); with --demo
+    alone, on the demo's MovieLens data, and with several --arch one row per architecture.
     """
-    from xgr.demo import evaluate_demo, load_movielens
-
-    if not source.demo:
-        raise click.UsageError("eval runs on the demo's data: pass --demo")
-    if beam_width < k:  # before the evaluation, not after it
-        raise click.UsageError(f"--beam-width {beam_width} is below --k {k}")
+    if not source.given:
+        raise click.UsageError("give --model DIR with --data FILE, or --demo")
+    if data is None and not source.demo:
+        raise click.UsageError("--model needs --data FILE to evaluate on")
+    ks = sorted(set(ks))
+    if beam_width < ks[-1]:  # before the evaluation, not after it
+        raise click.UsageError(f"--beam-width {beam_width} is below --k {ks[-1]}")
     if beam_width > MAX_BEAM_WIDTH:
         raise click.UsageError(f"--beam-width {beam_width} is above the limit {MAX_BEAM_WIDTH}")
     if output is not None:
         check_writable(output.expanduser(), "--output", source)
+    from xgr.training.evaluate import evaluate_cases
+
+    try:
+        cases, popularity = _eval_cases(source, data, split, popularity_data)
+    except (XgrError, OSError) as exc:
+        fail(exc)
+    if max_users is not None:
+        cases = type(cases)(*(part[:max_users] for part in (cases.users, cases.histories,
+                                                            cases.targets)))  # fmt: skip
     reports = {}
     for arch_source in source.per_arch():
         engine = arch_source.load()
         try:
-            reports[arch_source.arch] = evaluate_demo(
-                engine,
-                load_movielens(source.cache_dir.expanduser()),
-                k=k,
-                beam_width=beam_width,
-                max_users=max_users,
-            )
+            reports[arch_source.arch] = evaluate_cases(
+                engine, cases, ks, beam_width, popularity, exclude_history=not keep_history,
+                batch_size=batch_size, progress=not as_json,
+            )  # fmt: skip
         except (XgrError, OSError) as exc:
             fail(exc)
-    first = next(iter(reports.values()))  # the same users, so the same popularity figures
-    seconds = " + ".join(f"{r['seconds']} s" for r in reports.values())
-    click.echo(f"users: {first['users']}   beam width: {beam_width}   time: {seconds}")
-    click.echo(f"{'':<14}{'Recall@' + str(k):>12}{'NDCG@' + str(k):>12}")
-    rows = [(f"model ({arch})", r["model"]) for arch, r in reports.items()]
-    for name, scores in [*rows, ("popularity", first["popularity"])]:
-        click.echo(f"{name:<14}{scores[f'recall@{k}']:>12.4f}{scores[f'ndcg@{k}']:>12.4f}")
+    first = next(iter(reports.values()))  # the same cases, so the same popularity figures
+    # One architecture keeps the single report's layout; several are keyed by arch.
+    written = first if len(reports) == 1 else reports
+    if as_json:
+        click.echo(json.dumps(written, indent=2))
+    else:
+        seconds = " + ".join(f"{r['seconds']} s" for r in reports.values())
+        skipped = f"   skipped (no history): {first['skipped']}" if first["skipped"] else ""
+        click.echo(f"cases: {first['cases']}   beam width: {beam_width}   time: {seconds}{skipped}")
+        names = [f"{m}@{k}" for k in ks for m in ("Recall", "NDCG")]
+        click.echo(f"{'':<14}" + "".join(f"{n:>12}" for n in names))
+        keys = [f"{m}@{k}" for k in ks for m in ("recall", "ndcg")]
+        rows = [
+            ("model" if source.model_dir else f"model ({arch})", r["model"])
+            for arch, r in reports.items()
+        ]
+        for name, scores in [*rows, ("popularity", first["popularity"])]:
+            click.echo(f"{name:<14}" + "".join(f"{scores[key]:>12.4f}" for key in keys))
     if output:
-        # One architecture keeps the single report's layout; several are keyed by arch.
-        written = first if len(reports) == 1 else reports
         try:
             output.expanduser().write_text(json.dumps(written, indent=2) + "\n")
         except OSError as exc:
             fail(exc)
+
+
+def _eval_cases(source, data, split, popularity_data):
+    """The held-out cases of ``--data`` (or of the demo's MovieLens data) and the training
+    sequences the baseline counts."""
+    from xgr.training.interactions import read_interactions
+
+    if data is None:
+        from xgr.demo import demo_cases, leave_one_out, load_movielens
+
+        if split != "test":
+            raise click.UsageError("the demo is evaluated on its test split: drop --split")
+        movielens = load_movielens(source.cache_dir.expanduser())
+        cases, popularity = demo_cases(movielens), leave_one_out(movielens).histories
+    else:
+        interactions = read_interactions(data)
+        cases = interactions.split(split)
+        if interactions.valid is None:  # held-out rows: their histories, never their items
+            popularity = list(cases.histories)
+        else:
+            popularity = list(interactions.train)
+    if popularity_data is not None:
+        popularity = list(read_interactions(popularity_data).train)
+    return cases, popularity
 
 
 @main.command(short_help="Serve the HTTP API (recommend, completions).")
@@ -393,5 +468,6 @@ def serve(
     run_server(app, host, port, http_config)
 
 
-# The bench group registers itself on ``main``.
+# The bench, sid and train commands register themselves on ``main``.
 from xgr.cli import bench as _bench  # noqa: E402, F401
+from xgr.cli import train as _train  # noqa: E402, F401

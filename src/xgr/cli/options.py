@@ -118,7 +118,10 @@ class ModelSource:
         return self.archs[0] if self.archs else DEFAULT_ARCH
 
     def per_arch(self) -> list[ModelSource]:
-        """One source per ``--arch`` given (repeats dropped), in the order given."""
+        """One source per ``--arch`` given (repeats dropped), in the order given; a model
+        folder is its one source."""
+        if not self.demo:
+            return [self]
         archs = list(dict.fromkeys(self.archs)) or [self.arch]
         return [replace(self, archs=(arch,)) for arch in archs]
 
@@ -201,13 +204,13 @@ def named_files(values: tuple[str, ...], option: str) -> tuple[tuple[str | None,
     return tuple(pairs)
 
 
-def engine_options(func=None, *, demo_only: bool = False):
+def engine_options(func=None, *, multi_arch: bool = False):
     """Add the model-source options; the command receives them as ``source: ModelSource``.
 
-    ``demo_only`` (``xgr eval``): no --model / --catalog, and --arch may repeat.
+    ``multi_arch`` (``xgr eval``): --arch may repeat, to compare the demo's architectures.
     """
     if func is None:
-        return functools.partial(engine_options, demo_only=demo_only)
+        return functools.partial(engine_options, multi_arch=multi_arch)
 
     @functools.wraps(func)
     def command(
@@ -240,36 +243,35 @@ def engine_options(func=None, *, demo_only: bool = False):
             "archs",
             multiple=True,
             type=click.Choice(ARCHITECTURES),
-            help=arch_help + ("; repeat it to compare them." if demo_only else "."),
+            help=arch_help + ("; repeat it to compare them." if multi_arch else "."),
         ),
     ]
-    if not demo_only:
-        options += [
-            click.option(
-                "--model",
-                "model_dir",
-                type=click.Path(file_okay=False, path_type=Path),
-                help="Hugging Face model folder.",
-            ),
-            click.option(
-                "--catalog",
-                "catalog_paths",
-                multiple=True,
-                metavar="[NAME=]FILE",
-                help="Catalog index JSON (default: the model folder's catalog.index.json). "
-                "Repeat it as NAME=FILE for several catalogs with the model, the first the "
-                "default (serve: requests pick one by name; recommend: --from-catalog).",
-            ),
-            click.option(
-                "--attributes",
-                "attributes_paths",
-                multiple=True,
-                metavar="[NAME=]FILE",
-                help="Item attributes for request filters: a CSV (header; item id first) or "
-                "JSON-lines table keyed by item id; NAME=FILE for catalog NAME (default: the "
-                "first), repeatable.",
-            ),
-        ]
+    options += [
+        click.option(
+            "--model",
+            "model_dir",
+            type=click.Path(file_okay=False, path_type=Path),
+            help="Hugging Face model folder.",
+        ),
+        click.option(
+            "--catalog",
+            "catalog_paths",
+            multiple=True,
+            metavar="[NAME=]FILE",
+            help="Catalog index JSON (default: the model folder's catalog.index.json). "
+            "Repeat it as NAME=FILE for several catalogs with the model, the first the "
+            "default (serve: requests pick one by name; recommend: --from-catalog).",
+        ),
+        click.option(
+            "--attributes",
+            "attributes_paths",
+            multiple=True,
+            metavar="[NAME=]FILE",
+            help="Item attributes for request filters: a CSV (header; item id first) or "
+            "JSON-lines table keyed by item id; NAME=FILE for catalog NAME (default: the "
+            "first), repeatable.",
+        ),
+    ]
     options += [
         click.option(
             "--dtype",

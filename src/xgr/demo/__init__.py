@@ -16,8 +16,9 @@ from xgr.demo.build import (
     read_demo_metadata,
 )
 from xgr.demo.config import DemoConfig
-from xgr.demo.evaluate import evaluate_demo, popularity_ranking
+from xgr.demo.evaluate import demo_cases, evaluate_demo
 from xgr.demo.movielens import LeaveOneOut, MovieLensData, leave_one_out, load_movielens
+from xgr.training.evaluate import popularity_ranking
 
 __all__ = [
     "CATALOG_INDEX_FILE",
@@ -27,6 +28,7 @@ __all__ = [
     "LeaveOneOut",
     "MovieLensData",
     "build_demo",
+    "demo_cases",
     "evaluate_demo",
     "leave_one_out",
     "load_demo_catalog",

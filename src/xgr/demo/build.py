@@ -31,9 +31,9 @@ from xgr.demo.config import DemoConfig
 from xgr.demo.movielens import INTERACTIONS_FILE as MOVIELENS_INTERACTIONS
 from xgr.demo.movielens import ITEMS_FILE as MOVIELENS_ITEMS
 from xgr.demo.movielens import MovieLensData, leave_one_out, load_movielens
-from xgr.demo.vocab import BOS, sid_token_ids
 from xgr.engine.model_folder import DEFAULT_CATALOG_FILE, TITLES_FILE
 from xgr.engine.prompt import PROMPT_FORMAT_FILE
+from xgr.training.vocab import sid_token_ids
 
 CATALOG_INDEX_FILE = DEFAULT_CATALOG_FILE
 ITEMS_FILE = TITLES_FILE
@@ -42,7 +42,7 @@ DEMO_METADATA_FILE = "xgr_demo.json"
 if TYPE_CHECKING:
     import torch
 
-    from xgr.demo.train import Collate
+    from xgr.training.loop import Collate
 
 
 def build_demo(
@@ -195,7 +195,7 @@ def build_catalog(data: MovieLensData, config: DemoConfig) -> ItemCatalog:
     The held-out last item of each user is left out of the embeddings so that the test
     interaction cannot leak into the IDs.
     """
-    from xgr.demo.semantic_ids import semantic_ids  # scikit-learn: only when building
+    from xgr.training.semantic_ids import semantic_ids  # scikit-learn: only when building
 
     split = leave_one_out(data)
     codes = semantic_ids(
@@ -214,22 +214,20 @@ def write_demo_model(
 ) -> None:
     """Build the catalog, train the model and write every file of the folder into model_dir."""
     # The training stack (transformers) is imported only when a model has to be built.
-    from xgr.demo.train import train_model
-    from xgr.demo.vocab import build_tokenizer
+    from xgr.training.folder import write_model_folder
+    from xgr.training.loop import train_model
+    from xgr.training.models import scratch_vocab
+    from xgr.training.vocab import build_tokenizer
 
     started = time.perf_counter()
     catalog = build_catalog(data, config)
     split = leave_one_out(data)
     model, examples, collate = training_setup(config, catalog, split.histories)
-    report = train_model(model, examples, config, progress=progress, collate=collate)
-    model.generation_config.pad_token_id = model.config.pad_token_id
-    model.save_pretrained(model_dir)
-    build_tokenizer(catalog).save_pretrained(model_dir)
-    catalog.to_index_json(model_dir / CATALOG_INDEX_FILE)
-    catalog.write_model_metadata(model_dir)
-    prompt_format = {"prefix_tokens": [BOS], "max_history_items": config.max_history}
-    (model_dir / PROMPT_FORMAT_FILE).write_text(json.dumps(prompt_format) + "\n")
-    (model_dir / ITEMS_FILE).write_text(json.dumps(data.titles, ensure_ascii=False, indent=0))
+    report = train_model(model, examples, config.training(), collate, progress=progress)
+    write_model_folder(
+        model_dir, model, build_tokenizer(catalog), catalog, scratch_vocab(catalog),
+        config.max_history, data.titles,
+    )  # fmt: skip
     meta = {
         "config": config.to_dict(),
         "cache_key": config.cache_key,
@@ -255,15 +253,25 @@ def training_setup(
 ) -> tuple[torch.nn.Module, Sequence[Any], Collate]:
     """The fresh model of ``config.arch``, its training examples cut from ``histories``
     (per user, item ids in time order) and the collate that batches them."""
+    from xgr.training.examples import (
+        collate_seq2seq,
+        collate_windows,
+        seq2seq_examples,
+        training_windows,
+    )
+    from xgr.training.models import make_decoder, make_t5, scratch_vocab
+
+    vocab = scratch_vocab(catalog)
+    code_tokens, prefix, history = vocab.code_tokens, vocab.prefix, config.max_history
     if config.arch == "t5":
-        from xgr.demo.train_t5 import collate_seq2seq, make_t5_model, seq2seq_examples
-
-        examples = seq2seq_examples(histories, catalog, config.max_history)
-        return make_t5_model(config, catalog), examples, collate_seq2seq
-    from xgr.demo.train import collate_windows, make_model, training_windows
-
-    windows = training_windows(histories, catalog, config.max_history)
-    return make_model(config, catalog), windows, collate_windows
+        examples = seq2seq_examples(histories, catalog, history, code_tokens, prefix)
+        model = make_t5(config.shape(), catalog, len(prefix) + history * catalog.num_levels,
+                        config.seed)  # fmt: skip
+        return model, examples, lambda batch: collate_seq2seq(batch, vocab.pad_id)
+    windows = training_windows(histories, catalog, history, code_tokens, prefix)
+    prompt_tokens = len(prefix) + (history + 1) * catalog.num_levels
+    model = make_decoder("qwen2", config.shape(), catalog, prompt_tokens, config.seed)
+    return model, windows, lambda batch: collate_windows(batch, vocab.pad_id)
 
 
 def read_demo_metadata(model_dir: str | Path) -> dict:

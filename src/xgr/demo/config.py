@@ -7,6 +7,8 @@ import json
 from dataclasses import asdict, dataclass, replace
 
 from xgr.core import XgrError
+from xgr.training.loop import TrainSettings
+from xgr.training.models import ModelShape
 
 # Bump when the build's output changes for an unchanged config, so old caches are rebuilt.
 BUILD_FORMAT_VERSION = 1
@@ -140,6 +142,26 @@ class DemoConfig:
             max_steps=20,
             batch_size=32,
             warmup_steps=5,
+        )
+
+    def shape(self) -> ModelShape:
+        """The model's size (no dropout)."""
+        return ModelShape(
+            self.hidden_size, self.num_layers, self.num_heads, self.num_kv_heads,
+            self.intermediate_size,
+        )  # fmt: skip
+
+    def training(self) -> TrainSettings:
+        """The training loop's settings (on the CPU, float32)."""
+        return TrainSettings(
+            batch_size=self.batch_size,
+            epochs=self.epochs,
+            max_steps=self.max_steps,
+            learning_rate=self.learning_rate,
+            weight_decay=self.weight_decay,
+            warmup_steps=self.warmup_steps,
+            seed=self.seed,
+            desc=f"training demo model ({self.arch})",
         )
 
     def with_changes(self, **changes: object) -> DemoConfig:

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from xgr.core import XgrError
-from xgr.demo.semantic_ids import item_embeddings, residual_kmeans, semantic_ids
+from xgr.training.semantic_ids import item_embeddings, residual_kmeans, semantic_ids
 
 
 def _sequences(seed=0, users=120, items=60):
