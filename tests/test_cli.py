@@ -188,8 +188,8 @@ def test_errors_are_messages_not_tracebacks(served_model_dir, tmp_path):
             "holds the model's files and data",
         ),
         (("eval", "--demo", "--beam-width", "5000"), "--beam-width 5000 is above the limit 4096"),
-        (("eval",), "pass --demo"),
-        (("eval", "--model", model), "No such option '--model'"),
+        (("eval",), "give --model DIR with --data FILE, or --demo"),
+        (("eval", "--model", "m"), "--model needs --data FILE"),
         (("recommend", "--model", model, "--arch", "t5", "--history", "x"), "pass --demo with"),
         (
             ("recommend", "--demo", "--arch", "qwen2", "--arch", "t5", "--history", "x"),
