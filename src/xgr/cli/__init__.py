@@ -226,9 +226,7 @@ def evaluate(
         cases, popularity = _eval_cases(source, data, split, popularity_data)
     except (XgrError, OSError) as exc:
         fail(exc)
-    if max_users is not None:
-        cases = type(cases)(*(part[:max_users] for part in (cases.users, cases.histories,
-                                                            cases.targets)))  # fmt: skip
+    cases = cases.head(max_users)
     reports = {}
     for arch_source in source.per_arch():
         engine = arch_source.load()

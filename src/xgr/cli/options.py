@@ -245,8 +245,6 @@ def engine_options(func=None, *, multi_arch: bool = False):
             type=click.Choice(ARCHITECTURES),
             help=arch_help + ("; repeat it to compare them." if multi_arch else "."),
         ),
-    ]
-    options += [
         click.option(
             "--model",
             "model_dir",
@@ -271,8 +269,6 @@ def engine_options(func=None, *, multi_arch: bool = False):
             "JSON-lines table keyed by item id; NAME=FILE for catalog NAME (default: the "
             "first), repeatable.",
         ),
-    ]
-    options += [
         click.option(
             "--dtype",
             default="float32",

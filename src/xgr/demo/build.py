@@ -253,25 +253,15 @@ def training_setup(
 ) -> tuple[torch.nn.Module, Sequence[Any], Collate]:
     """The fresh model of ``config.arch``, its training examples cut from ``histories``
     (per user, item ids in time order) and the collate that batches them."""
-    from xgr.training.examples import (
-        collate_seq2seq,
-        collate_windows,
-        seq2seq_examples,
-        training_windows,
-    )
-    from xgr.training.models import make_decoder, make_t5, scratch_vocab
+    from xgr.training.models import scratch_model, scratch_vocab
+    from xgr.training.recommender import training_examples
 
-    vocab = scratch_vocab(catalog)
-    code_tokens, prefix, history = vocab.code_tokens, vocab.prefix, config.max_history
-    if config.arch == "t5":
-        examples = seq2seq_examples(histories, catalog, history, code_tokens, prefix)
-        model = make_t5(config.shape(), catalog, len(prefix) + history * catalog.num_levels,
-                        config.seed)  # fmt: skip
-        return model, examples, lambda batch: collate_seq2seq(batch, vocab.pad_id)
-    windows = training_windows(histories, catalog, history, code_tokens, prefix)
-    prompt_tokens = len(prefix) + (history + 1) * catalog.num_levels
-    model = make_decoder("qwen2", config.shape(), catalog, prompt_tokens, config.seed)
-    return model, windows, lambda batch: collate_windows(batch, vocab.pad_id)
+    shape = config.shape()
+    model = scratch_model(config.arch, shape, catalog, config.max_history, config.seed)
+    examples, _, collate = training_examples(
+        config.arch, histories, catalog, config.max_history, scratch_vocab(catalog)
+    )
+    return model, examples, collate
 
 
 def read_demo_metadata(model_dir: str | Path) -> dict:

@@ -65,9 +65,5 @@ def demo_cases(data: MovieLensData, max_users: int | None = None) -> HeldOut:
     if max_users is not None and max_users < 1:
         raise XgrError(f"max_users must be None or >= 1, got {max_users}")
     split = leave_one_out(data)
-    count = len(split.users) if max_users is None else min(max_users, len(split.users))
-    return HeldOut(
-        tuple(split.users[:count]),
-        tuple(map(tuple, split.histories[:count])),
-        tuple(split.targets[:count]),
-    )
+    cases = HeldOut(tuple(split.users), tuple(map(tuple, split.histories)), tuple(split.targets))
+    return cases.head(max_users)

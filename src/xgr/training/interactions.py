@@ -45,6 +45,12 @@ class HeldOut:
     def __len__(self) -> int:
         return len(self.targets)
 
+    def head(self, count: int | None) -> HeldOut:
+        """The first ``count`` cases (None: all)."""
+        if count is None:
+            return self
+        return HeldOut(self.users[:count], self.histories[:count], self.targets[:count])
+
 
 @dataclass(frozen=True)
 class Interactions:

@@ -272,11 +272,16 @@ def validation_loss(
 
 def latest_checkpoint(folder: str | Path) -> Path | None:
     """The checkpoint of the highest step in ``folder`` (None: no checkpoint)."""
-    folder = Path(folder)
+    found = _checkpoints(Path(folder))
+    return found[-1] if found else None
+
+
+def _checkpoints(folder: Path) -> list[Path]:
+    """The folder's checkpoints, lowest step first."""
     if not folder.is_dir():
-        return None
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := CHECKPOINT.fullmatch(p.name))]
-    return max(found)[1] if found else None
+        return []
+    steps = [(int(m.group(1)), p) for p in folder.iterdir() if (m := CHECKPOINT.fullmatch(p.name))]
+    return [path for _, path in sorted(steps)]
 
 
 def _best(state: dict) -> dict[str, str]:
@@ -312,10 +317,7 @@ def _save_checkpoint(settings, model, optimizer, schedule, state) -> None:
     partial = path.with_name(f".{path.name}.partial")
     torch.save(payload, partial)
     partial.replace(path)  # a crash mid-write never leaves a truncated newest checkpoint
-    old = sorted(
-        (int(m.group(1)), p) for p in folder.iterdir() if (m := CHECKPOINT.fullmatch(p.name))
-    )
-    for _, stale in old[: -settings.keep_checkpoints]:
+    for stale in _checkpoints(folder)[: -settings.keep_checkpoints]:
         stale.unlink(missing_ok=True)
 
 

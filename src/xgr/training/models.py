@@ -199,6 +199,18 @@ def make_t5(
     return T5ForConditionalGeneration(config).float()
 
 
+def scratch_model(
+    arch: str, shape: ModelShape, catalog: ItemCatalog, max_history: int, seed: int
+) -> torch.nn.Module:
+    """A fresh model of ``arch`` for prompts of ``<bos>`` and ``max_history`` items: a T5
+    whose encoder takes exactly that, or a decoder with room for one more item (its
+    training windows hold ``max_history + 1``)."""
+    prompt_tokens = 1 + max_history * catalog.num_levels
+    if arch == "t5":
+        return make_t5(shape, catalog, prompt_tokens, seed)
+    return make_decoder(arch, shape, catalog, prompt_tokens + catalog.num_levels, seed)
+
+
 def add_decoder_dropout(model: torch.nn.Module, p: float) -> None:
     """Dropout on a decoder's embeddings and on each attention and MLP output before the
     residual add (GPT-2's residual dropout), active in training mode only.

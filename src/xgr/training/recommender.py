@@ -14,8 +14,10 @@ model folder.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -31,14 +33,14 @@ from xgr.training.examples import (
     training_windows,
 )
 from xgr.training.interactions import Interactions, read_interactions
-from xgr.training.loop import TrainSettings, train_model
+from xgr.training.loop import Collate, TrainSettings, train_model
 from xgr.training.models import (
     ARCHITECTURES,
     ModelShape,
+    Vocab,
     add_decoder_dropout,
     from_base_model,
-    make_decoder,
-    make_t5,
+    scratch_model,
     scratch_vocab,
 )
 
@@ -119,16 +121,13 @@ def train_recommender(job: TrainJob, progress: bool = True) -> dict[str, Any]:
     else:
         arch, vocab = job.arch, scratch_vocab(catalog)
         tokenizer = build_tokenizer(catalog)
-        prompt_tokens = len(vocab.prefix) + job.max_history * catalog.num_levels
-        if arch == "t5":
-            model = make_t5(job.shape, catalog, prompt_tokens, job.settings.seed)
-        else:
-            model = make_decoder(
-                arch, job.shape, catalog, prompt_tokens + catalog.num_levels, job.settings.seed
-            )
+        model = scratch_model(arch, job.shape, catalog, job.max_history, job.settings.seed)
     if arch != "t5":
         add_decoder_dropout(model, job.shape.dropout if job.base_model is None else 0.0)
-    examples, validation, collate = _examples(job, data, catalog, vocab, arch)
+    valid = data.valid if job.validate and data.valid is not None and len(data.valid) else None
+    examples, validation, collate = training_examples(
+        arch, data.train, catalog, job.max_history, vocab, valid
+    )
     output.mkdir(parents=True, exist_ok=True)
     settings = job.settings
     if settings.checkpoint_dir is None:
@@ -183,24 +182,20 @@ def check_items_in_catalog(data: Interactions, catalog: ItemCatalog) -> None:
         )
 
 
-def _examples(job: TrainJob, data: Interactions, catalog, vocab, arch: str):
-    valid = data.valid if job.validate and data.valid is not None and len(data.valid) else None
-    code_tokens, prefix, history = vocab.code_tokens, vocab.prefix, job.max_history
-    if arch == "t5":
-        examples = seq2seq_examples(data.train, catalog, history, code_tokens, prefix)
-        validation = (
-            held_out_pairs(valid.histories, valid.targets, catalog, history, code_tokens, prefix)
-            if valid is not None
-            else None
-        )
-        return examples, validation, lambda batch: collate_seq2seq(batch, vocab.pad_id)
-    examples = training_windows(data.train, catalog, history, code_tokens, prefix)
-    validation = (
-        held_out_windows(valid.histories, valid.targets, catalog, history, code_tokens, prefix)
-        if valid is not None
-        else None
-    )
-    return examples, validation, lambda batch: collate_windows(batch, vocab.pad_id)
+def training_examples(
+    arch: str, sequences, catalog: ItemCatalog, max_history: int, vocab: Vocab, held_out=None
+) -> tuple[Sequence[Any], Sequence[Any] | None, Collate]:
+    """The training examples of ``arch`` cut from ``sequences`` (per user, item ids in time
+    order), the examples of the ``held_out`` cases (None without them) and the collate that
+    batches either."""
+    t5 = arch == "t5"
+    cut = seq2seq_examples if t5 else training_windows
+    held = held_out_pairs if t5 else held_out_windows
+    collate = functools.partial(collate_seq2seq if t5 else collate_windows, pad_id=vocab.pad_id)
+    parts = (catalog, max_history, vocab.code_tokens, vocab.prefix)
+    examples = cut(sequences, *parts)
+    validation = None if held_out is None else held(held_out.histories, held_out.targets, *parts)
+    return examples, validation, collate
 
 
 def _rounded(value):
