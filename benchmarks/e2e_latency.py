@@ -42,6 +42,7 @@ from xgr.beam import BeamState, constrained_beam_step  # noqa: E402
 from xgr.beam import step as step_module  # noqa: E402
 from xgr.models.config import DecoderConfig  # noqa: E402
 from xgr.models.decoder import CausalLM  # noqa: E402
+from xgr.models.quantize import quantize_fp8  # noqa: E402
 
 CODEBOOK = 256
 SHAPES = {
@@ -276,6 +277,12 @@ def main() -> None:
         help="a single request's level-1 forward within its prefill where the beam holds every"
         " first-level code (Engine's first_levels_together), or after level 0",
     )
+    parser.add_argument(
+        "--quantization",
+        choices=("none", "fp8"),
+        default="none",
+        help="fp8: the decoder layers' projections in FP8 (xgr.models.quantize.quantize_fp8)",
+    )
     args = parser.parse_args()
     together = args.first_levels == "together"
     device = "cpu" if args.tiny else "cuda"
@@ -307,6 +314,7 @@ def main() -> None:
         "first_levels": args.first_levels,
         **run_environment(device),
         "dtype": "bfloat16" if device == "cuda" else "float32",
+        "quantization": args.quantization,
         "catalog_items": items,
         "codebook": CODEBOOK,
         "bf16_matmul_flop_per_s": rate,
@@ -323,6 +331,8 @@ def main() -> None:
     for name, shape in shapes.items():
         model = xgr_model(hf_model(shape, device))  # the HF model is dropped: peak memory
         model.fuse_projections()  # is xgr's alone; HF runs later on a re-created copy
+        if args.quantization == "fp8":
+            quantize_fp8(model)
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()

@@ -240,3 +240,14 @@ def test_version_is_the_installed_package_version():
     assert result.exit_code == 0
     assert result.output.strip() == f"xgr, version {version('xgr')}"
     assert xgr.__version__ == version("xgr")
+
+
+def test_recommend_with_fp8_quantization(served_model_dir):
+    common = ["recommend", "--model", str(served_model_dir), "--history", "item3",
+              "--beam-width", "16", "--num-results", "5", "--json"]  # fmt: skip
+    result = run(*common, "--quantization", "fp8")  # bfloat16 activations by default
+    assert result.exit_code == 0, result.output
+    items = json.loads(result.output)["items"]
+    assert len(items) >= 5 and all(i["score"] < 0 for i in items)
+    refused = CliRunner().invoke(main, [*common, "--quantization", "fp8", "--dtype", "float32"])
+    assert refused.exit_code != 0 and "use dtype 'bfloat16'" in refused.output

@@ -99,6 +99,7 @@ class ModelSource:
     cache_dir: Path
     archs: tuple[str, ...] = ()
     attributes_paths: tuple[tuple[str | None, Path], ...] = ()
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.archs and not self.demo:
@@ -172,8 +173,9 @@ class ModelSource:
                     for name, path in self.catalog_paths
                 }
             engine = Engine.from_pretrained(
-                folder, catalog=catalog, device=self.device, dtype=self.dtype, **options
-            )
+                folder, catalog=catalog, device=self.device, dtype=self.dtype,
+                quantization=self.quantization, **options,
+            )  # fmt: skip
             for name, path in self.attributes_paths:
                 engine.served_catalog(name).catalog.load_attributes(path)
             return engine
@@ -215,8 +217,9 @@ def engine_options(func=None, *, multi_arch: bool = False):
     @functools.wraps(func)
     def command(
         demo, dtype, device, cache_dir, archs, model_dir=None, catalog_paths=(),
-        attributes_paths=(), **kw,
+        attributes_paths=(), quantization=None, **kw,
     ):  # fmt: skip
+        dtype = dtype or ("bfloat16" if quantization else "float32")
         catalogs = named_files(catalog_paths, "--catalog")
         attributes = named_files(attributes_paths, "--attributes")
         names = [name or DEFAULT_CATALOG for name, _ in catalogs] or [DEFAULT_CATALOG]
@@ -225,7 +228,9 @@ def engine_options(func=None, *, multi_arch: bool = False):
                 raise click.UsageError(f"--attributes {name}={path}: no --catalog {name}=FILE")
             if not path.is_file():
                 raise click.UsageError(f"--attributes: {path} is not a file")
-        source = ModelSource(demo, model_dir, catalogs, dtype, device, cache_dir, archs, attributes)
+        source = ModelSource(
+            demo, model_dir, catalogs, dtype, device, cache_dir, archs, attributes, quantization
+        )
         return func(source=source, **kw)
 
     arch_help = (
@@ -271,10 +276,17 @@ def engine_options(func=None, *, multi_arch: bool = False):
         ),
         click.option(
             "--dtype",
-            default="float32",
-            show_default=True,
+            default=None,
             type=click.Choice(["float32", "bfloat16", "float16"]),
-            help="Weights and activations dtype (half types on a GPU).",
+            help="Weights and activations dtype (half types on a GPU)  [default: float32; "
+            "bfloat16 with --quantization fp8]",
+        ),
+        click.option(
+            "--quantization",
+            type=click.Choice(["fp8"]),
+            help="fp8: the decoder layers' projections in FP8 (e4m3) on load, activations "
+            "in bfloat16 (decoder-only models; a GPU with FP8 tensor cores, or the CPU "
+            "reference path). FP8 checkpoints load without it, dequantized.",
         ),
         click.option(
             "--device",

@@ -120,13 +120,13 @@ def _why(serve) -> str:
 
 def build(args: dict[str, str]):
     """``serve run xgr.cli.ray_app:build key=value ...``'s application: ``model`` (a
-    folder) or ``demo=true``, ``catalog``, ``dtype``, ``device``, ``warm_up_tokens``, the
-    ``ReplicaOptions`` and the ``ServerConfig`` fields, by name.
+    folder) or ``demo=true``, ``catalog``, ``dtype``, ``quantization``, ``device``,
+    ``warm_up_tokens``, the ``ReplicaOptions`` and the ``ServerConfig`` fields, by name.
 
     Raises:
         XgrError: an unknown key, a value of the wrong type, neither or both of ``model``
-            and ``demo``, a model folder or catalog that is not there, an unknown dtype or
-            device.
+            and ``demo``, a model folder or catalog that is not there, an unknown dtype,
+            quantization or device.
     """
     args = dict(args)
     warm_up_tokens = _number(int, "warm_up_tokens", args.pop("warm_up_tokens", "0"))
@@ -138,6 +138,7 @@ def build(args: dict[str, str]):
         dtype=args.pop("dtype", "float32"),
         device=args.pop("device", "cpu"),
         cache_dir=Path(args.pop("cache_dir", DEFAULT_CACHE)),
+        quantization=args.pop("quantization", None),
     )
     _check(source)
     options = ReplicaOptions(**_typed(ReplicaOptions, args))
@@ -185,6 +186,8 @@ def _check(source: ModelSource) -> None:
         raise XgrError(f"not found: {', '.join(missing)}")
     if source.dtype not in DTYPES:
         raise XgrError(f"dtype must be one of {', '.join(DTYPES)}, got {source.dtype!r}")
+    if source.quantization not in (None, "fp8"):
+        raise XgrError(f"quantization must be fp8 or absent, got {source.quantization!r}")
     if source.device.split(":")[0] not in ("cpu", "cuda"):
         raise XgrError(f"device must be cpu or cuda, got {source.device!r}")
 

@@ -166,6 +166,7 @@ class Engine:
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype = "float32",
         sid_token_ids: Any = None,
+        quantization: str | None = None,
         **options: Any,
     ) -> Engine:
         """Load a model folder and serve ``catalog`` with it.
@@ -180,6 +181,10 @@ class Engine:
             dtype: "float32", "bfloat16" or "float16".
             sid_token_ids: (num_levels, codebook_size) code -> token id map; default found
                 from the folder's tokenizer tokens named like the catalog's codes (``<a_12>``).
+            quantization: None, or "fp8": the decoder layers' projections in FP8 (e4m3
+                weights per output channel, activations per token; needs dtype "bfloat16"
+                and, on CUDA, FP8 tensor cores; ``xgr.models.quantize``). FP8 checkpoints
+                load either way (dequantized to ``dtype`` without it).
             options: ``full_vocab``, ``cuda_graphs``, ``cuda_streams``, ``pipeline_depth``
                 and ``first_levels_together``, passed to ``Engine``.
 
@@ -189,7 +194,7 @@ class Engine:
         """
         return load_engine(
             Path(model_dir), catalog, device, dtype, sid_token_ids,
-            lambda **parts: cls(**parts, **options),
+            lambda **parts: cls(**parts, **options), quantization,
         )  # fmt: skip
 
     @property

@@ -125,7 +125,13 @@ def load_tokenizer(model_dir: Path) -> Any:
 
 
 def load_engine(
-    model_dir: Path, catalog: ItemCatalog | None, device, dtype, sid_token_ids: Any, make
+    model_dir: Path,
+    catalog: ItemCatalog | None,
+    device,
+    dtype,
+    sid_token_ids: Any,
+    make,
+    quantization: str | None = None,
 ) -> Any:
     """``make(**parts)`` of a model folder's parts: model, catalog, code map, tokenizer,
     name, prompt format and titles (``Engine.from_pretrained``: arguments and errors as
@@ -134,7 +140,7 @@ def load_engine(
         raise XgrError(f"model folder {model_dir} does not exist")
     device = resolve_device(device)
     try:
-        return make(**_load(model_dir, catalog, device, dtype, sid_token_ids))
+        return make(**_load(model_dir, catalog, device, dtype, sid_token_ids, quantization))
     except XgrError:
         raise
     except (
@@ -151,7 +157,7 @@ def load_engine(
         ) from exc
 
 
-def _load(model_dir, catalog, device, dtype, sid_token_ids) -> dict[str, Any]:
+def _load(model_dir, catalog, device, dtype, sid_token_ids, quantization) -> dict[str, Any]:
     from xgr.engine.prompt import PromptFormat
     from xgr.models import load_model
     from xgr.models.sid_vocab import sid_token_ids_from_tokenizer, tokenizer_vocab
@@ -163,7 +169,7 @@ def _load(model_dir, catalog, device, dtype, sid_token_ids) -> dict[str, Any]:
         catalog = ItemCatalog.from_index_json(path)
     catalogs = named_catalogs(catalog)
     meta = check_catalogs_compatible(model_dir, catalogs)
-    model = load_model(model_dir, device, dtype)
+    model = load_model(model_dir, device, dtype, quantization)
     if sid_token_ids is None:  # found by the codes' names: for the widest codebook
         widest = max(catalogs.values(), key=lambda c: c.codebook_size)
         sid_token_ids = sid_token_ids_from_tokenizer(model_dir, widest)

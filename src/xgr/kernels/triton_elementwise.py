@@ -35,8 +35,9 @@ def _rows_per_program(width: int, tile_elements: int = TILE_ELEMENTS) -> int:
 
 @triton.jit
 def _rms_norm_kernel(
-    X, DELTA, W, OUT, SUM, rows, stride_x, stride_d, stride_o, stride_s, dim, eps,
-    ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
+    X, DELTA, W, OUT, SUM, SCALES, rows, stride_x, stride_d, stride_o, stride_s, dim, eps,
+    ADD: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs = tl.arange(0, BLOCK)
@@ -45,12 +46,42 @@ def _rms_norm_kernel(
     if ADD:  # residual add, rounded to the model dtype as the reference's ``x + delta``
         x = x + tl.load(DELTA + r[:, None] * stride_d + offs[None, :], mask=ok, other=0.0)
         tl.store(SUM + r[:, None] * stride_s + offs[None, :], x, mask=ok)
+    dtype = X.dtype.element_ty
     x32 = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, 1) / dim + eps)
-    y = (x32 * rstd[:, None]).to(OUT.dtype.element_ty)
+    y = (x32 * rstd[:, None]).to(dtype)
     w = tl.load(W + offs, mask=offs < dim, other=0.0)
-    out = y.to(tl.float32) * w.to(tl.float32)[None, :]
-    tl.store(OUT + r[:, None] * stride_o + offs[None, :], out.to(OUT.dtype.element_ty), mask=ok)
+    out = (y.to(tl.float32) * w.to(tl.float32)[None, :]).to(dtype)
+    if QUANT:  # e4m3 rows and their scales (``quantize_tile``) instead of the model dtype
+        quantize_tile(out.to(tl.float32), OUT, SCALES, r, offs, ok, rows, stride_o, FP8_MAX)
+    else:
+        tl.store(OUT + r[:, None] * stride_o + offs[None, :], out, mask=ok)
+
+
+@triton.jit
+def quantize_tile(y, Q, SCALES, r, offs, ok, rows, stride_q, FP8_MAX: tl.constexpr):
+    """Store float32 rows ``y`` (masked lanes 0) as e4m3 with one float32 scale per row:
+    scale = max(amax, MIN_AMAX) / FP8_MAX, q = y / scale rounded to nearest (IEEE division,
+    as torch divides), so the row's largest value maps to FP8_MAX."""
+    amax = tl.max(tl.abs(y), 1)
+    scale = tl.maximum(amax, 1e-12) / FP8_MAX  # MIN_AMAX
+    q = tl.div_rn(y, tl.broadcast_to(scale[:, None], y.shape))
+    q = round_to_e4m3(tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX))
+    tl.store(Q + r[:, None] * stride_q + offs[None, :], q.to(Q.dtype.element_ty), mask=ok)
+    tl.store(SCALES + r, scale, mask=r < rows)
+
+
+@triton.jit
+def round_to_e4m3(q):
+    """float32 q (|q| <= 448) rounded to the nearest e4m3 value, ties to even, in float32, so
+    the cast that follows is exact: the same result on the GPU and under Triton's interpreter
+    (whose own cast rounds wrongly where rounding up carries into the exponent). Normal
+    values (|q| >= 2^-6) keep 3 of float32's 23 mantissa bits; smaller ones round to a
+    multiple of e4m3's subnormal step 2^-9 (adding and subtracting 1.5 * 2^14)."""
+    bits = q.to(tl.int32, bitcast=True)
+    kept = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # 0xFFF00000: sign, exponent, 3 bits
+    normal = (bits & 0x7F800000) >= (121 << 23)
+    return tl.where(normal, kept.to(tl.float32, bitcast=True), (q + 24576.0) - 24576.0)
 
 
 def rms_norm(
@@ -70,6 +101,26 @@ def rms_norm(
     Raises:
         ValueError: mismatched shapes, dtypes, or a non-contiguous last dimension.
     """
+    x2, delta, weight = rms_norm_rows(x, weight, residual)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if delta is None:
+        delta, total = x2, out  # unused by the kernel
+    else:
+        total = torch.empty_like(out)
+    launch_rms_norm(x2, delta, weight, out, total, None, eps, residual is not None)
+    out = out.view(x.shape)
+    return out if residual is None else (total.view(x.shape), out)
+
+
+# e4m3's largest finite value: a quantized row's largest magnitude maps to it.
+FP8_MAX = 448.0
+# The least amax a row's scale is taken from: an all-zero row gets a tiny scale, not 0.
+MIN_AMAX = 1e-12
+
+
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None):
+    """``rms_norm``'s arguments checked and flattened: (x as (rows, dim), the residual as
+    (rows, dim) or None, the weight contiguous). Raises ValueError as ``rms_norm``."""
     dim = x.shape[-1]
     if dim == 0:
         raise ValueError("rms_norm needs a last dimension of at least 1")
@@ -77,31 +128,28 @@ def rms_norm(
         raise ValueError(
             f"weight must be ({dim},) {x.dtype}, got {tuple(weight.shape)} {weight.dtype}"
         )
-    weight = weight.contiguous()
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError("residual must match x in shape and dtype")
     x2 = x.reshape(-1, dim)
-    if x2.stride(-1) != 1:
+    delta = None if residual is None else residual.reshape(-1, dim)
+    if x2.stride(-1) != 1 or (delta is not None and delta.stride(-1) != 1):
         raise ValueError("the last dimension must be contiguous")
-    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    if residual is None:
-        delta, total = x2, out  # unused by the kernel
-    else:
-        delta = residual.reshape(-1, dim)
-        if delta.stride(-1) != 1:
-            raise ValueError("the last dimension must be contiguous")
-        total = torch.empty_like(out)
-    rows = x2.shape[0]
+    return x2, delta, weight.contiguous()
+
+
+def launch_rms_norm(x2, delta, weight, out, total, scales, eps: float, add: bool) -> None:
+    """One ``_rms_norm_kernel`` launch over (rows, dim) ``x2`` (checked by the caller):
+    norm(x2 [+ delta]) into ``out`` (x2's dtype, or e4m3 with ``scales`` (rows,) float32
+    given), the sum into ``total`` when ``add``."""
+    rows, dim = x2.shape
     block_m = _rows_per_program(dim)
     if rows:
         _rms_norm_kernel[(triton.cdiv(rows, block_m),)](
-            x2, delta, weight, out, total, rows,
+            x2, delta, weight, out, total, scales if scales is not None else weight, rows,
             x2.stride(0), delta.stride(0), out.stride(0), total.stride(0), dim, eps,
-            ADD=residual is not None, BLOCK_M=block_m, BLOCK=triton.next_power_of_2(dim),
-            num_warps=4 if dim <= 2048 else 8,
+            ADD=add, QUANT=scales is not None, FP8_MAX=FP8_MAX, BLOCK_M=block_m,
+            BLOCK=triton.next_power_of_2(dim), num_warps=4 if dim <= 2048 else 8,
         )  # fmt: skip
-    out = out.view(x.shape)
-    return out if residual is None else (total.view(x.shape), out)
 
 
 # Activation codes of ``activation`` (constexpr arguments of the kernels that apply one).

@@ -70,6 +70,8 @@ class CausalLM(nn.Module):
     is_encoder_decoder = False
     # The prompt KV is written layer by layer during prefill: a contiguous block per layer.
     token_major_shared_kv = False
+    # "fp8" once ``xgr.models.quantize.quantize_fp8`` has quantized its projections.
+    quantization: str | None = None
 
     @property
     def shared_kv_layout(self) -> tuple[int, int, int]:

@@ -13,6 +13,12 @@ from xgr.core import XgrError, read_json
 from xgr.models.config import T5_MODEL_TYPE, DecoderConfig, T5Config
 from xgr.models.config_checks import check_weight_shapes, read_weight_shapes
 from xgr.models.decoder import CausalLM
+from xgr.models.quantize import (
+    check_quantization,
+    dequantize_fp8_checkpoint,
+    fp8_checkpoint_blocks,
+    quantize_fp8,
+)
 from xgr.models.t5 import T5Seq2SeqLM
 
 logger = logging.getLogger(__name__)
@@ -115,17 +121,34 @@ def _shard_path(model_dir: Path, root: Path, index: Path, tensor: str, shard) ->
 
 
 def load_model(
-    model_dir: str | Path, device: str | torch.device, dtype: str | torch.dtype
+    model_dir: str | Path,
+    device: str | torch.device,
+    dtype: str | torch.dtype,
+    quantization: str | None = None,
 ) -> CausalLM | T5Seq2SeqLM:
     """Build the folder's model (by config.json's model_type) with its weights in ``dtype``.
 
+    An FP8 checkpoint (``quantization_config.quant_method`` "fp8") is dequantized to
+    ``dtype``; with ``quantization="fp8"`` the decoder layers' projections are then
+    quantized to FP8 again, per output channel (``xgr.models.quantize.quantize_fp8``), which
+    for a checkpoint published in FP8 with block-wise scales rounds each weight a second
+    time only where its block's scale differs from its channel's largest.
+
     Raises:
-        XgrError: unreadable config, unsupported architecture, missing or unexpected weights.
+        XgrError: unreadable config, unsupported architecture or checkpoint quantization,
+            missing or unexpected weights, or a quantization this device or model cannot run
+            (``check_quantization``, ``quantize_fp8``).
     """
     cfg, _ = read_config(model_dir)
+    check_quantization(quantization, resolve_dtype(dtype), torch.device(device))
     if isinstance(cfg, T5Config):
-        return load_t5(model_dir, device, dtype)
-    return load_causal_lm(model_dir, device, dtype)
+        if quantization is not None:
+            raise XgrError(f"{model_dir}: quantization {quantization!r} supports decoder-only "
+                           f"models (Qwen2, Qwen3, Llama), not T5")  # fmt: skip
+        model = load_t5(model_dir, device, dtype)
+    else:
+        model = load_causal_lm(model_dir, device, dtype)
+    return model if quantization is None else quantize_fp8(model)
 
 
 def load_causal_lm(
@@ -192,12 +215,16 @@ def _read_weights(
     """The checkpoint's tensors in ``dtype`` on ``device``, once its headers match ``cfg``
     (``check_weight_shapes``): a config that disagrees fails before any data is read."""
     torch_dtype = resolve_dtype(dtype)
+    _, raw = read_config(model_dir)
+    blocks = fp8_checkpoint_blocks(raw, str(Path(model_dir) / "config.json"))
     files = checkpoint_files(model_dir)
     check_weight_shapes(cfg, read_weight_shapes(files), model_dir)
     state: dict[str, torch.Tensor] = {}
     for path in files:
-        state.update(load_file(path))
-    return {name: tensor.to(dtype=torch_dtype, device=device) for name, tensor in state.items()}
+        state.update(load_file(path, device=str(device)))
+    if blocks is not False:  # an FP8 checkpoint: its weights dequantized on the device
+        state = dequantize_fp8_checkpoint(state, blocks, str(model_dir))
+    return {name: tensor.to(dtype=torch_dtype) for name, tensor in state.items()}
 
 
 def _build(model_cls, cfg, state: dict[str, torch.Tensor], model_dir) -> torch.nn.Module:

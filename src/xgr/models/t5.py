@@ -64,6 +64,7 @@ class T5Seq2SeqLM(nn.Module):
     # Every decoder layer's cross K/V come from the same encoder output: one token-major
     # buffer lets one GEMM (``cross_kv``) write all of them (``SharedKV.token_major``).
     token_major_shared_kv = True
+    quantization: str | None = None  # not quantizable (``xgr.models.quantize``)
 
     @property
     def shared_kv_layout(self) -> tuple[int, int, int]:
