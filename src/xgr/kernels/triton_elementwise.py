@@ -29,7 +29,7 @@ TILE_ELEMENTS = 4096
 QKV_TILE_ELEMENTS = 2048
 
 
-def _rows_per_program(width: int, tile_elements: int = TILE_ELEMENTS) -> int:
+def rows_per_program(width: int, tile_elements: int = TILE_ELEMENTS) -> int:
     return max(1, tile_elements // triton.next_power_of_2(width))
 
 
@@ -142,7 +142,7 @@ def launch_rms_norm(x2, delta, weight, out, total, scales, eps: float, add: bool
     norm(x2 [+ delta]) into ``out`` (x2's dtype, or e4m3 with ``scales`` (rows,) float32
     given), the sum into ``total`` when ``add``."""
     rows, dim = x2.shape
-    block_m = _rows_per_program(dim)
+    block_m = rows_per_program(dim)
     if rows:
         _rms_norm_kernel[(triton.cdiv(rows, block_m),)](
             x2, delta, weight, out, total, scales if scales is not None else weight, rows,
@@ -280,7 +280,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         raise ValueError(f"cos and sin need the same strides, got {cos.stride()}, {sin.stride()}")
     out = torch.empty(tokens, heads, head_dim, dtype=x.dtype, device=x.device)
     rows = tokens * heads
-    block_m = _rows_per_program(head_dim)
+    block_m = rows_per_program(head_dim)
     if rows:
         _rope_kernel[(triton.cdiv(rows, block_m),)](
             x, cos, sin, out, rows, heads, x.stride(0), x.stride(1), cos.stride(0),
@@ -410,7 +410,7 @@ def qkv_heads(
         q_norm_weight = k_norm_weight = cos  # unread
     q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     rows = tokens * heads
-    block_m = _rows_per_program(head_dim, QKV_TILE_ELEMENTS)
+    block_m = rows_per_program(head_dim, QKV_TILE_ELEMENTS)
     if rows:
         _qkv_heads_kernel[(triton.cdiv(rows, block_m),)](
             qkv, cos, sin, q_norm_weight, k_norm_weight, q, k_out, v_out, rows, eps,

@@ -28,11 +28,11 @@ import triton.language as tl
 from xgr.kernels.triton_elementwise import (
     FP8_MAX,
     GATE_ACTIVATIONS,
-    _rows_per_program,
     activation,
     launch_rms_norm,
     quantize_tile,
     rms_norm_rows,
+    rows_per_program,
 )
 
 FP8 = torch.float8_e4m3fn
@@ -82,7 +82,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError("x needs a contiguous last dimension")
     rows, dim = x.shape
     values, scales = _fp8_rows(rows, dim, x.device)
-    block_m = _rows_per_program(dim)
+    block_m = rows_per_program(dim)
     if rows:
         _quantize_rows_kernel[(triton.cdiv(rows, block_m),)](
             x, values, scales, rows, dim, x.stride(0), values.stride(0), FP8_MAX=FP8_MAX,
@@ -171,7 +171,7 @@ def gated_mul_fp8(gate_up: torch.Tensor, act: str = "silu") -> tuple[torch.Tenso
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     values, scales = _fp8_rows(rows, inter, gate_up.device)
     block = triton.next_power_of_2(inter)
-    block_m = _rows_per_program(2 * inter)
+    block_m = rows_per_program(2 * inter)
     if rows:
         _gated_mul_fp8_kernel[(triton.cdiv(rows, block_m),)](
             gate_up, values, scales, rows, inter, gate_up.stride(0), values.stride(0),
