@@ -61,10 +61,10 @@ def _rms_norm_kernel(
 @triton.jit
 def quantize_tile(y, Q, SCALES, r, offs, ok, rows, stride_q, FP8_MAX: tl.constexpr):
     """Store float32 rows ``y`` (masked lanes 0) as e4m3 with one float32 scale per row:
-    scale = max(amax, MIN_AMAX) / FP8_MAX, q = y / scale rounded to nearest (IEEE division,
+    scale = max(amax, 1e-12) / FP8_MAX, q = y / scale rounded to nearest (IEEE division,
     as torch divides), so the row's largest value maps to FP8_MAX."""
     amax = tl.max(tl.abs(y), 1)
-    scale = tl.maximum(amax, 1e-12) / FP8_MAX  # MIN_AMAX
+    scale = tl.maximum(amax, 1e-12) / FP8_MAX  # xgr.layers.fp8.MIN_AMAX: all-zero rows
     q = tl.div_rn(y, tl.broadcast_to(scale[:, None], y.shape))
     q = round_to_e4m3(tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX))
     tl.store(Q + r[:, None] * stride_q + offs[None, :], q.to(Q.dtype.element_ty), mask=ok)
@@ -114,8 +114,6 @@ def rms_norm(
 
 # e4m3's largest finite value: a quantized row's largest magnitude maps to it.
 FP8_MAX = 448.0
-# The least amax a row's scale is taken from: an all-zero row gets a tiny scale, not 0.
-MIN_AMAX = 1e-12
 
 
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None):

@@ -161,10 +161,10 @@ def load_causal_lm(
             (``checkpoint_files``), a config that disagrees with the weights' headers
             (``check_weight_shapes``), missing or unexpected weights.
     """
-    cfg, _ = read_config(model_dir)
+    cfg, raw = read_config(model_dir)
     if not isinstance(cfg, DecoderConfig):
         raise XgrError(f"{model_dir} holds a {cfg.model_type} model, not a decoder-only LM")
-    state = _read_weights(cfg, model_dir, dtype, device)
+    state = _read_weights(cfg, raw, model_dir, dtype, device)
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
     if "lm_head.weight" not in state:
         if not cfg.tie_word_embeddings:
@@ -191,10 +191,10 @@ def load_t5(
         XgrError: unreadable or unsupported config, shards outside the folder, a config that
             disagrees with the weights' headers, missing or unexpected weights.
     """
-    cfg, _ = read_config(model_dir)
+    cfg, raw = read_config(model_dir)
     if not isinstance(cfg, T5Config):
         raise XgrError(f"{model_dir} holds a {cfg.model_type} model, not a T5 model")
-    state = _read_weights(cfg, model_dir, dtype, device)
+    state = _read_weights(cfg, raw, model_dir, dtype, device)
     for name in _T5_UNUSED_WEIGHTS:
         state.pop(name, None)
     if "lm_head.weight" not in state and "shared.weight" in state:
@@ -210,12 +210,12 @@ def load_t5(
 
 
 def _read_weights(
-    cfg, model_dir: str | Path, dtype: str | torch.dtype, device: str | torch.device
+    cfg, raw: dict, model_dir: str | Path, dtype: str | torch.dtype, device: str | torch.device
 ) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors in ``dtype`` on ``device``, once its headers match ``cfg``
-    (``check_weight_shapes``): a config that disagrees fails before any data is read."""
+    (``check_weight_shapes``): a config that disagrees fails before any data is read; ``raw``,
+    the config.json dict, says whether the checkpoint is FP8."""
     torch_dtype = resolve_dtype(dtype)
-    _, raw = read_config(model_dir)
     blocks = fp8_checkpoint_blocks(raw, str(Path(model_dir) / "config.json"))
     files = checkpoint_files(model_dir)
     check_weight_shapes(cfg, read_weight_shapes(files), model_dir)
