@@ -24,6 +24,12 @@ against the bf16 reference it isolates what the served path's kernels and graphs
     python benchmarks/bf16_agreement.py --output bf16.json            # builds the demos if absent
     python benchmarks/bf16_agreement.py --output bf16.json --device cpu --users 50   # smoke
 
+With ``--quantization fp8 ...`` the served path also runs with each FP8 quantization
+(``xgr.models.quantize``, decoder-only models), reported against the bf16 served path and
+the float32 reference in the same way.
+
+    python benchmarks/bf16_agreement.py --output q.json --arch qwen2 --quantization fp8
+
 On the CPU the served path is the reference path (no graphs, no Triton), so its agreement
 with the bf16 reference is 1 by construction; there the run checks the script and gives the
 float32-vs-bf16 figure alone.
@@ -46,6 +52,7 @@ from xgr import Engine  # noqa: E402
 from xgr.demo import DemoConfig, build_demo, load_movielens  # noqa: E402
 from xgr.demo.movielens import leave_one_out  # noqa: E402
 from xgr.evaluation.metrics import ndcg_at_k, recall_at_k  # noqa: E402
+from xgr.models.quantize import QUANTIZATIONS  # noqa: E402
 from xgr.training.evaluate import score_items  # noqa: E402
 
 K = 10
@@ -97,20 +104,35 @@ def rounded_weights_engine(folder: Path, device: str) -> Engine:
     return engine
 
 
-def compare(folder: Path, histories, targets, beam_width, batch_size, device) -> dict:
-    """The served bf16 path of one model folder against the float32 and bf16 references."""
+def compare(
+    folder: Path, histories, targets, beam_width, batch_size, device, quantizations=()
+) -> dict:
+    """The served bf16 path of one model folder against the float32 and bf16 references,
+    and each of ``quantizations`` served against the bf16 served path and float32."""
     runs = {
-        "float32 reference": reference_engine(folder, device, "float32"),
-        "float32, weights rounded to bfloat16": rounded_weights_engine(folder, device),
-        "bfloat16 reference": reference_engine(folder, device, "bfloat16"),
-        "bfloat16 served": Engine.from_pretrained(folder, device=device, dtype="bfloat16"),
+        "float32 reference": lambda: reference_engine(folder, device, "float32"),
+        "float32, weights rounded to bfloat16": lambda: rounded_weights_engine(folder, device),
+        "bfloat16 reference": lambda: reference_engine(folder, device, "bfloat16"),
+        "bfloat16 served": lambda: Engine.from_pretrained(folder, device=device, dtype="bfloat16"),
     }
+    for q in quantizations:
+        runs[f"{q} served"] = lambda q=q: Engine.from_pretrained(
+            folder, device=device, dtype="bfloat16", quantization=q
+        )
+    # One engine at a time: each is dropped once its requests are scored.
     scored = {
-        name: score_items(engine, histories, beam_width, batch_size)
-        for name, engine in runs.items()
+        name: score_items(make(), histories, beam_width, batch_size) for name, make in runs.items()
     }
     served = scored["bfloat16 served"]
+    quantized = {
+        q: {
+            "vs_bfloat16_served": agreement(scored[f"{q} served"], served),
+            "vs_float32": agreement(scored[f"{q} served"], scored["float32 reference"]),
+        }
+        for q in quantizations
+    }
     return {
+        **({"quantized": quantized} if quantized else {}),
         "requests": len(served),
         "served_vs_float32": agreement(served, scored["float32 reference"]),
         "served_vs_bfloat16_reference": agreement(served, scored["bfloat16 reference"]),
@@ -139,6 +161,13 @@ def main() -> None:
     parser.add_argument("--users", type=int, help="only the first users (default: all)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument(
+        "--quantization",
+        nargs="*",
+        default=[],
+        choices=list(QUANTIZATIONS),
+        help="also serve decoder-only models with these FP8 quantizations",
+    )
     args = parser.parse_args()
     cache = args.cache_dir.expanduser()
     split = leave_one_out(load_movielens(cache))
@@ -155,7 +184,9 @@ def main() -> None:
           f"{'R@10 served':>13}", flush=True)  # fmt: skip
     for arch in args.arch:
         folder = build_demo(cache, DemoConfig.for_arch(arch))
-        row = compare(folder, histories, targets, args.beam_width, args.batch_size, args.device)
+        quantizations = [] if arch == "t5" else args.quantization
+        row = compare(folder, histories, targets, args.beam_width, args.batch_size, args.device,
+                      quantizations)  # fmt: skip
         report["results"][arch] = row
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(report, indent=1) + "\n")
@@ -170,6 +201,16 @@ def main() -> None:
             f"{quality['bfloat16 served'][f'recall@{K}']:>13.4f}",
             flush=True,
         )
+        for q, against in row.get("quantized", {}).items():
+            print(
+                f"  {q:<12} same set vs bf16 served "
+                f"{against['vs_bfloat16_served']['same_top10_set']:.3f}, mean overlap "
+                f"{against['vs_bfloat16_served']['mean_overlap']:.3f}; vs f32 "
+                f"{against['vs_float32']['same_top10_set']:.3f}, overlap "
+                f"{against['vs_float32']['mean_overlap']:.3f}; R@10 "
+                f"{quality[f'{q} served'][f'recall@{K}']:.4f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

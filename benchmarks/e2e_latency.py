@@ -42,7 +42,7 @@ from xgr.beam import BeamState, constrained_beam_step  # noqa: E402
 from xgr.beam import step as step_module  # noqa: E402
 from xgr.models.config import DecoderConfig  # noqa: E402
 from xgr.models.decoder import CausalLM  # noqa: E402
-from xgr.models.quantize import quantize_fp8  # noqa: E402
+from xgr.models.quantize import QUANTIZATIONS, quantize_fp8  # noqa: E402
 
 CODEBOOK = 256
 SHAPES = {
@@ -279,9 +279,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--quantization",
-        choices=("none", "fp8"),
+        choices=("none", *QUANTIZATIONS),
         default="none",
-        help="fp8: the decoder layers' projections in FP8 (xgr.models.quantize.quantize_fp8)",
+        help="the decoder layers' projections in FP8 (xgr.models.quantize.quantize_fp8)",
     )
     args = parser.parse_args()
     together = args.first_levels == "together"
@@ -331,8 +331,8 @@ def main() -> None:
     for name, shape in shapes.items():
         model = xgr_model(hf_model(shape, device))  # the HF model is dropped: peak memory
         model.fuse_projections()  # is xgr's alone; HF runs later on a re-created copy
-        if args.quantization == "fp8":
-            quantize_fp8(model)
+        if args.quantization != "none":
+            quantize_fp8(model, args.quantization)
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()

@@ -17,6 +17,10 @@ throughput within the budget is 0; its single-request latency is taken from that
 
     python benchmarks/serving_throughput.py --output benchmarks/results/serving.json
     python benchmarks/serving_throughput.py --tiny --output /tmp/serving.json  # CPU smoke
+    python benchmarks/serving_throughput.py --configs 1 --quantization none fp8 --output q.json
+
+With several ``--quantization`` values each decoder-only configuration runs once per value
+(``xgr.models.quantize``; "none": the model dtype), one after the other in the same process.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from xgr.bench.serve import (  # noqa: E402
     within_budget,
 )
 from xgr.models import load_model  # noqa: E402
+from xgr.models.quantize import QUANTIZATIONS, quantize_fp8  # noqa: E402
 
 # (shape, prompt length, beam width, largest batch): the decoder-only configurations first.
 # The batch limits sit above what the 200 ms budget lets the deadline rule form (a batch of
@@ -80,15 +85,20 @@ MAX_STEPS = 12
 REFINE_STEPS = 2
 
 
-def build_model(shape: str, tiny: bool, device: str):
-    """The xgr model of a configuration's shape: decoder-only from e2e_latency's shapes, T5
-    through a saved random HF folder and xgr's loader (t5_latency's shapes)."""
+def build_model(shape: str, tiny: bool, device: str, quantization: str = "none"):
+    """The xgr model of a configuration's shape: decoder-only from e2e_latency's shapes
+    (quantized unless ``quantization`` is "none"), T5 through a saved random HF folder and
+    xgr's loader (t5_latency's shapes)."""
     if shape in T5_SHAPES or shape == "tiny-t5":
         dtype = torch.float32 if tiny else torch.bfloat16
         with tempfile.TemporaryDirectory() as tmp:
             write_t5(T5_TINY if tiny else T5_SHAPES[shape], Path(tmp), dtype)
             return load_model(tmp, device, dtype)
-    return xgr_model(hf_model(TINY if tiny else SHAPES[shape], device))
+    model = xgr_model(hf_model(TINY if tiny else SHAPES[shape], device))
+    if quantization != "none":
+        model.fuse_projections()
+        quantize_fp8(model.to(torch.bfloat16), quantization)
+    return model
 
 
 def rate_sweep(held, start_rate: float) -> None:
@@ -178,6 +188,13 @@ def main() -> None:
         default=50.0,
         help="also run one stream with batches capped at this predicted time (0: skip)",
     )
+    parser.add_argument(
+        "--quantization",
+        nargs="+",
+        choices=("none", *QUANTIZATIONS),
+        default=["none"],
+        help="run each decoder-only configuration with each of these (T5: none only)",
+    )
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
     configs = TINY_CONFIGS if args.tiny else [CONFIGS[i] for i in (args.configs or range(3))]
@@ -191,16 +208,23 @@ def main() -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     catalog = random_catalog(5000 if args.tiny else 1_000_000, 3)
     models = {}
-    for shape, length, beam, max_batch in configs:
+    runs = [
+        (config, quantization)
+        for config in configs
+        for quantization in args.quantization
+        if quantization == "none" or config[0] in SHAPES or config[0] == "tiny"
+    ]
+    for (shape, length, beam, max_batch), quantization in runs:
         max_batch = args.max_batch_size or max_batch
-        if shape not in models:
+        if (shape, quantization) not in models:
             models.clear()
             gc.collect()
-            models[shape] = build_model(shape, args.tiny, device)
-        model = models[shape]
+            models[shape, quantization] = build_model(shape, args.tiny, device, quantization)
+        model = models[shape, quantization]
         sid_map = sid_token_map(model.config.vocab_size, catalog.num_levels)
-        print(f"{shape} L~{length} B={beam}", flush=True)
-        row = {"shape": shape, "prompt_len": length, "beam_width": beam, "settings": {}}
+        print(f"{shape} L~{length} B={beam} quantization {quantization}", flush=True)
+        row = {"shape": shape, "prompt_len": length, "beam_width": beam,
+               "quantization": quantization, "settings": {}}  # fmt: skip
         figures = []
         # One request at a time first: its rate is where the batching sweeps start.
         settings = [("no batching", 1, 1, None)] + [
@@ -253,8 +277,12 @@ def main() -> None:
             if device == "cuda":
                 torch.cuda.empty_cache()
         report["results"].append(row)
-        plot_path = args.output.with_name(f"{args.output.stem}-{shape}-L{length}-B{beam}.png")
-        _plot(figures, plot_path, f"{shape}, prompt ~{length}, beam {beam}")
+        suffix = "" if quantization == "none" else f"-{quantization}"
+        plot_path = args.output.with_name(
+            f"{args.output.stem}-{shape}-L{length}-B{beam}{suffix}.png"
+        )
+        title = f"{shape}, prompt ~{length}, beam {beam}" + (f", {quantization}" if suffix else "")
+        _plot(figures, plot_path, title)
         args.output.write_text(json.dumps(report, indent=1) + "\n")
     print("\nthroughput at the highest rate with P99 <= 200 ms (requests/s):")
     for row in report["results"]:
@@ -262,7 +290,8 @@ def main() -> None:
             f"{setting} {_req_per_s(figures['throughput_within_budget'])}"
             for setting, figures in row["settings"].items()
         )
-        print(f"  {row['shape']} L~{row['prompt_len']} B={row['beam_width']}: {best}")
+        print(f"  {row['shape']} L~{row['prompt_len']} B={row['beam_width']} "
+              f"{row['quantization']}: {best}")  # fmt: skip
     args.output.write_text(json.dumps(report, indent=1) + "\n")
 
 

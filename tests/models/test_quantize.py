@@ -58,16 +58,26 @@ def write_fp8_checkpoint(source, target, block: list[int] | None) -> dict:
     return out
 
 
-def test_quantize_fp8_replaces_the_layer_projections(qwen3_dir):
-    model = quantize_fp8(load_model(qwen3_dir, "cpu", "bfloat16"))
-    assert model.quantization == "fp8"
+@pytest.mark.parametrize("quantization", ["fp8", "fp8-tensorwise"])
+def test_quantize_fp8_replaces_the_layer_projections(qwen3_dir, quantization):
+    model = quantize_fp8(load_model(qwen3_dir, "cpu", "bfloat16"), quantization)
+    assert model.quantization == quantization
+    per_tensor = quantization == "fp8-tensorwise"
     for layer in model.model.layers:
-        assert isinstance(layer.self_attn.qkv_proj, Fp8Linear)
-        assert isinstance(layer.self_attn.o_proj, Fp8Linear)
+        projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                       layer.mlp.gate_up_proj, layer.mlp.down_proj)  # fmt: skip
+        assert all(isinstance(p, Fp8Linear) for p in projections)
+        assert all(p.per_tensor == per_tensor for p in projections)
+        hidden = layer.self_attn.o_proj.out_features
+        assert layer.self_attn.o_proj.weight_scale.shape == ((1,) if per_tensor else (hidden,))
         assert isinstance(layer.mlp, Fp8GatedMLP)
         assert isinstance(layer.input_layernorm, Fp8RMSNorm)
+        assert layer.input_layernorm.per_tensor == per_tensor
     assert model.lm_head.weight.dtype == torch.bfloat16  # scores stay in the model dtype
-    assert quantize_fp8(model) is model  # idempotent
+    assert quantize_fp8(model, quantization) is model  # idempotent
+    other = "fp8" if per_tensor else "fp8-tensorwise"
+    with pytest.raises(XgrError, match="quantized already"):
+        quantize_fp8(model, other)
 
 
 @pytest.mark.parametrize("block", [[16, 32], None])
@@ -134,12 +144,13 @@ def test_quantization_option_is_checked(qwen3_dir, tmp_path):
         load_model(t5, "cpu", "bfloat16", quantization="fp8")
 
 
-def test_fp8_engine_agrees_with_bf16(qwen3_dir):
+@pytest.mark.parametrize("quantization", ["fp8", "fp8-tensorwise"])
+def test_fp8_engine_agrees_with_bf16(qwen3_dir, quantization):
     catalog = random_catalog(300, 3, 16, seed=1)
     sid = sequential_sid_map(3, 16, 96 - 48)
     prompts = [np.random.default_rng(i).integers(0, 48, 30).tolist() for i in range(12)]
     top = {}
-    for name, options in (("bf16", {}), ("fp8", {"quantization": "fp8"})):
+    for name, options in (("bf16", {}), ("fp8", {"quantization": quantization})):
         engine = Engine.from_pretrained(qwen3_dir, catalog=catalog, sid_token_ids=sid,
                                         dtype="bfloat16", **options)  # fmt: skip
         results = engine.recommend(prompts, beam_width=16, top_k=10)

@@ -12,6 +12,7 @@ import click
 
 from xgr.core import CATALOG_NAME, DEFAULT_CATALOG, XgrError
 from xgr.demo.config import ARCHITECTURES, DEFAULT_ARCH
+from xgr.models.quantize import QUANTIZATIONS
 
 DEFAULT_CACHE = Path("~/.cache/xgr/demo")
 
@@ -279,14 +280,16 @@ def engine_options(func=None, *, multi_arch: bool = False):
             default=None,
             type=click.Choice(["float32", "bfloat16", "float16"]),
             help="Weights and activations dtype (half types on a GPU)  [default: float32; "
-            "bfloat16 with --quantization fp8]",
+            "bfloat16 with --quantization]",
         ),
         click.option(
             "--quantization",
-            type=click.Choice(["fp8"]),
-            help="fp8: the decoder layers' projections in FP8 (e4m3) on load, activations "
-            "in bfloat16 (decoder-only models; a GPU with FP8 tensor cores, or the CPU "
-            "reference path). FP8 checkpoints load without it, dequantized.",
+            type=click.Choice(list(QUANTIZATIONS)),
+            help="The decoder layers' projections in FP8 (e4m3) on load, activations in "
+            "bfloat16 between them: fp8 with one scale per output channel and token, "
+            "fp8-tensorwise one per tensor (decoder-only models; a GPU with FP8 tensor "
+            "cores, or the CPU reference path). FP8 checkpoints load without it, "
+            "dequantized.",
         ),
         click.option(
             "--device",

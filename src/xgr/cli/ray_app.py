@@ -17,6 +17,7 @@ import click
 from xgr.cli.options import DEFAULT_CACHE, ModelSource, fail
 from xgr.core import XgrError
 from xgr.models.loader import DTYPES
+from xgr.models.quantize import QUANTIZATIONS
 from xgr.server.config import ServerConfig
 from xgr.server.ray_replicas import hub, wait_idle
 from xgr.server.ray_serve import DEPLOYMENT, PROXY_CALLBACK, ReplicaOptions, application
@@ -186,8 +187,9 @@ def _check(source: ModelSource) -> None:
         raise XgrError(f"not found: {', '.join(missing)}")
     if source.dtype not in DTYPES:
         raise XgrError(f"dtype must be one of {', '.join(DTYPES)}, got {source.dtype!r}")
-    if source.quantization not in (None, "fp8"):
-        raise XgrError(f"quantization must be fp8 or absent, got {source.quantization!r}")
+    if source.quantization not in (None, *QUANTIZATIONS):
+        raise XgrError(f"quantization must be one of {', '.join(QUANTIZATIONS)} or absent, "
+                       f"got {source.quantization!r}")  # fmt: skip
     if source.device.split(":")[0] not in ("cpu", "cuda"):
         raise XgrError(f"device must be cpu or cuda, got {source.device!r}")
 

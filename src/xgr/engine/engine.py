@@ -181,10 +181,11 @@ class Engine:
             dtype: "float32", "bfloat16" or "float16".
             sid_token_ids: (num_levels, codebook_size) code -> token id map; default found
                 from the folder's tokenizer tokens named like the catalog's codes (``<a_12>``).
-            quantization: None, or "fp8": the decoder layers' projections in FP8 (e4m3
-                weights per output channel, activations per token; needs dtype "bfloat16"
-                and, on CUDA, FP8 tensor cores; ``xgr.models.quantize``). FP8 checkpoints
-                load either way (dequantized to ``dtype`` without it).
+            quantization: None, "fp8" or "fp8-tensorwise": the decoder layers' projections
+                in FP8 (e4m3), with one scale per output channel and per token ("fp8") or
+                one per tensor for weights and activations ("fp8-tensorwise"); needs dtype
+                "bfloat16" and, on CUDA, FP8 tensor cores (``xgr.models.quantize``). FP8
+                checkpoints load either way (dequantized to ``dtype`` without it).
             options: ``full_vocab``, ``cuda_graphs``, ``cuda_streams``, ``pipeline_depth``
                 and ``first_levels_together``, passed to ``Engine``.
 

@@ -33,10 +33,17 @@ def rows_per_program(width: int, tile_elements: int = TILE_ELEMENTS) -> int:
     return max(1, tile_elements // triton.next_power_of_2(width))
 
 
+# What a row-wise pass writes (the ``QUANT`` constexpr of the kernels that quantize): rows
+# in the model dtype; e4m3 rows, one scale each; only the tile's amax, atomically maxed into
+# one float32 (the first of a per-tensor quantization's two launches); e4m3 rows with the
+# one scale that amax gives (the second launch).
+STORE, QUANT_ROWS, QUANT_AMAX, QUANT_TENSOR = 0, 1, 2, 3
+
+
 @triton.jit
 def _rms_norm_kernel(
-    X, DELTA, W, OUT, SUM, SCALES, rows, stride_x, stride_d, stride_o, stride_s, dim, eps,
-    ADD: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK_M: tl.constexpr,
+    X, DELTA, W, OUT, SUM, SCALES, AMAX, rows, stride_x, stride_d, stride_o, stride_s, dim,
+    eps, ADD: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -52,10 +59,32 @@ def _rms_norm_kernel(
     y = (x32 * rstd[:, None]).to(dtype)
     w = tl.load(W + offs, mask=offs < dim, other=0.0)
     out = (y.to(tl.float32) * w.to(tl.float32)[None, :]).to(dtype)
-    if QUANT:  # e4m3 rows and their scales (``quantize_tile``) instead of the model dtype
-        quantize_tile(out.to(tl.float32), OUT, SCALES, r, offs, ok, rows, stride_o, FP8_MAX)
-    else:
+    if QUANT == 0:
         tl.store(OUT + r[:, None] * stride_o + offs[None, :], out, mask=ok)
+    else:
+        store_quantized(out.to(tl.float32), OUT, SCALES, AMAX, r, offs, ok, rows, stride_o,
+                        QUANT, FP8_MAX)  # fmt: skip
+
+
+@triton.jit
+def store_quantized(
+    y, Q, SCALES, AMAX, r, offs, ok, rows, stride_q, QUANT: tl.constexpr, FP8_MAX: tl.constexpr
+):  # fmt: skip
+    """Store float32 rows ``y`` (masked lanes 0) as e4m3, by ``QUANT``: one scale per row
+    (``quantize_tile``), the tile's amax maxed into AMAX[0] (``QUANT_AMAX``), or with the
+    one scale max(AMAX[0], 1e-12) / FP8_MAX, which the first program also stores in
+    SCALES[0] (``QUANT_TENSOR``)."""
+    if QUANT == 1:
+        quantize_tile(y, Q, SCALES, r, offs, ok, rows, stride_q, FP8_MAX)
+    elif QUANT == 2:
+        tl.atomic_max(AMAX, tl.max(tl.max(tl.abs(y), 1), 0))
+    else:
+        scale = tl.maximum(tl.load(AMAX), 1e-12) / FP8_MAX  # xgr.layers.fp8.MIN_AMAX
+        q = tl.div_rn(y, tl.full(y.shape, 0.0, tl.float32) + scale)
+        q = round_to_e4m3(tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX))
+        tl.store(Q + r[:, None] * stride_q + offs[None, :], q.to(Q.dtype.element_ty), mask=ok)
+        if tl.program_id(0) == 0:
+            tl.store(SCALES, scale)
 
 
 @triton.jit
@@ -107,7 +136,7 @@ def rms_norm(
         delta, total = x2, out  # unused by the kernel
     else:
         total = torch.empty_like(out)
-    launch_rms_norm(x2, delta, weight, out, total, None, eps, residual is not None)
+    launch_rms_norm(x2, delta, weight, out, total, eps, residual is not None)
     out = out.view(x.shape)
     return out if residual is None else (total.view(x.shape), out)
 
@@ -135,18 +164,22 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor 
     return x2, delta, weight.contiguous()
 
 
-def launch_rms_norm(x2, delta, weight, out, total, scales, eps: float, add: bool) -> None:
+def launch_rms_norm(
+    x2, delta, weight, out, total, eps: float, add: bool, scales=None, amax=None, quant=STORE
+) -> None:
     """One ``_rms_norm_kernel`` launch over (rows, dim) ``x2`` (checked by the caller):
-    norm(x2 [+ delta]) into ``out`` (x2's dtype, or e4m3 with ``scales`` (rows,) float32
-    given), the sum into ``total`` when ``add``."""
+    norm(x2 [+ delta]) into ``out``, the sum into ``total`` when ``add``. ``out`` is in x2's
+    dtype (``quant`` ``STORE``) or e4m3 with float32 ``scales`` and ``amax`` as
+    ``store_quantized`` takes them."""
     rows, dim = x2.shape
     block_m = rows_per_program(dim)
     if rows:
         _rms_norm_kernel[(triton.cdiv(rows, block_m),)](
-            x2, delta, weight, out, total, scales if scales is not None else weight, rows,
-            x2.stride(0), delta.stride(0), out.stride(0), total.stride(0), dim, eps,
-            ADD=add, QUANT=scales is not None, FP8_MAX=FP8_MAX, BLOCK_M=block_m,
-            BLOCK=triton.next_power_of_2(dim), num_warps=4 if dim <= 2048 else 8,
+            x2, delta, weight, out, total, weight if scales is None else scales,
+            weight if amax is None else amax, rows, x2.stride(0), delta.stride(0),
+            out.stride(0), total.stride(0), dim, eps, ADD=add, QUANT=quant, FP8_MAX=FP8_MAX,
+            BLOCK_M=block_m, BLOCK=triton.next_power_of_2(dim),
+            num_warps=4 if dim <= 2048 else 8,
         )  # fmt: skip
 
 

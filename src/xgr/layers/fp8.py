@@ -1,11 +1,17 @@
-"""FP8 (e4m3) projections: weights quantized per output channel, activations per token row.
+"""FP8 (e4m3) projections: y = (x / s_x) (W / s_w)^T * s_x * s_w.
 
-y = (x / s_x) (W / s_w)^T * s_x * s_w, each factor in e4m3 with a float32 scale per row of x
-(dynamic, ``xgr.kernels.triton_fp8``) and per row of W (fixed at load), accumulated in
-float32 and written in bf16 (``torch._scaled_mm``'s row-wise scaling on Hopper). The passes
-that produce a projection's input write it quantized (``Fp8RMSNorm``, ``Fp8GatedMLP``);
-other inputs are quantized on entry. The LM head and the code log-probabilities are not
-quantized, so scores stay normalized log-probabilities.
+Each factor is in e4m3 with float32 scales, accumulated in float32 and written in bf16
+(``torch._scaled_mm``), at one of two granularities:
+
+- per tensor (``per_tensor=True``): one dynamic scale for all of x (``xgr.kernels.triton_fp8``
+  computes it as it writes x) and one for W, fixed at load: cuBLAS's per-tensor FP8 GEMM;
+- per row: a dynamic scale per token row of x and one per output channel of W: finer
+  resolution and one pass to write x; the row-wise scaled GEMM is slower on Hopper, but whole
+  requests are faster (docs/performance.md), so ``quantization="fp8"`` uses it.
+
+The passes that produce a projection's input write it quantized (``Fp8RMSNorm``,
+``Fp8GatedMLP``); other inputs are quantized on entry. The LM head and the code
+log-probabilities are not quantized, so scores stay normalized log-probabilities.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ class Fp8Rows:
 
     Attributes:
         values: (T, K) float8_e4m3fn.
-        scales: (T, 1) float32, each row's amax / 448.
+        scales: (T, 1) float32, each row's amax / 448; or (1, 1), the whole tensor's.
     """
 
     values: torch.Tensor
@@ -47,21 +53,23 @@ class Fp8Rows:
         return (self.values.float() * self.scales).to(dtype)
 
 
-def quantize_rows_reference(x: torch.Tensor) -> Fp8Rows:
-    """Each row of (T, K) ``x`` in e4m3 with scale max(amax, ``MIN_AMAX``) / 448: the torch
-    reference of ``xgr.kernels.triton_fp8.quantize_rows`` (round to nearest, ties to even)."""
+def quantize_rows_reference(x: torch.Tensor, per_tensor: bool = False) -> Fp8Rows:
+    """Each row of (T, K) ``x`` in e4m3 with scale max(amax, ``MIN_AMAX``) / 448, amax the
+    row's (or, ``per_tensor``, the whole tensor's) largest magnitude: the torch reference of
+    ``xgr.kernels.triton_fp8.quantize_rows`` (round to nearest, ties to even)."""
     x32 = x.float()
-    scales = x32.abs().amax(-1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX
+    amax = x32.abs().amax().reshape(1, 1) if per_tensor else x32.abs().amax(-1, keepdim=True)
+    scales = amax.clamp(min=MIN_AMAX) / FP8_MAX
     return Fp8Rows((x32 / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8), scales)
 
 
-def quantize_rows(x: torch.Tensor) -> Fp8Rows:
-    """(T, K) rows as ``Fp8Rows``: one Triton pass on CUDA, else the torch reference."""
+def quantize_rows(x: torch.Tensor, per_tensor: bool = False) -> Fp8Rows:
+    """(T, K) rows as ``Fp8Rows``: Triton on CUDA, else the torch reference."""
     if x.is_cuda:
         from xgr.kernels.triton_fp8 import quantize_rows as kernel
 
-        return Fp8Rows(*kernel(x))
-    return quantize_rows_reference(x)
+        return Fp8Rows(*kernel(x, per_tensor))
+    return quantize_rows_reference(x, per_tensor)
 
 
 def quantize_weight(weight: torch.Tensor, per_channel: bool = True):
@@ -69,14 +77,13 @@ def quantize_weight(weight: torch.Tensor, per_channel: bool = True):
 
     Args:
         weight: (N, K) any float dtype.
-        per_channel: one scale per output row (N,); False: one for the whole tensor, as (N,)
-            copies of it (the same layout for the GEMM).
+        per_channel: one scale per output row; False: one for the whole tensor.
 
     Returns:
-        (values (N, K) float8_e4m3fn, scales (N,) float32).
+        (values (N, K) float8_e4m3fn, scales (N,) float32, or (1,) per tensor).
     """
     w32 = weight.detach().float()
-    amax = w32.abs().amax(-1) if per_channel else w32.abs().amax().expand(w32.shape[0])
+    amax = w32.abs().amax(-1) if per_channel else w32.abs().amax().reshape(1)
     scales = amax.clamp(min=MIN_AMAX) / FP8_MAX
     values = (w32 / scales[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return values, scales.contiguous()
@@ -100,20 +107,25 @@ def fp8_linear(
     """rows @ weight^T (+ bias) with both factors in e4m3.
 
     Args:
-        rows: (T, K) quantized activations.
+        rows: (T, K) quantized activations, per row or per tensor.
         weight: (N, K) float8_e4m3fn, contiguous.
-        weight_scale: (N,) float32.
+        weight_scale: (N,) float32, or (1,) per tensor.
         bias: (N,) bf16 or None.
 
     Returns:
-        (T, N) bf16. On CUDA ``torch._scaled_mm`` (row-wise scales, float32 accumulation);
+        (T, N) bf16. On CUDA ``torch._scaled_mm`` (float32 accumulation): per-tensor scaling
+        when both scales are per tensor, else row-wise (a per-tensor scale repeated);
         elsewhere ``fp8_linear_reference``.
     """
     if not rows.values.is_cuda:
         return fp8_linear_reference(rows, weight, weight_scale, bias)
+    scale_a, scale_b = rows.scales, weight_scale.view(1, -1)
+    if scale_a.numel() != 1 or scale_b.numel() != 1:
+        scale_a = scale_a.expand(rows.values.shape[0], 1).contiguous()
+        scale_b = scale_b.expand(1, weight.shape[0]).contiguous()
     return torch._scaled_mm(
-        rows.values, weight.t(), scale_a=rows.scales, scale_b=weight_scale.view(1, -1),
-        bias=bias, out_dtype=FP8_OUT_DTYPE,
+        rows.values, weight.t(), scale_a=scale_a, scale_b=scale_b, bias=bias,
+        out_dtype=FP8_OUT_DTYPE,
     )  # fmt: skip
 
 
@@ -121,8 +133,9 @@ class Fp8Linear(nn.Module):
     """An ``nn.Linear`` without its bf16 weight: (T, K) -> (T, N) bf16 through ``fp8_linear``.
 
     Takes ``Fp8Rows`` (written quantized by the pass before) or plain (T, K) rows, which it
-    quantizes first (``quantize_rows``). Buffers: ``weight`` (N, K) float8_e4m3fn,
-    ``weight_scale`` (N,) float32, ``bias`` (N,) bf16 or None.
+    quantizes first (``quantize_rows``, per tensor when its weight is). Buffers: ``weight``
+    (N, K) float8_e4m3fn, ``weight_scale`` (N,) float32 or (1,) per tensor, ``bias`` (N,)
+    bf16 or None.
     """
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias=None) -> None:
@@ -131,6 +144,7 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight_scale", weight_scale.float().contiguous())
         self.register_buffer("bias", None if bias is None else bias.to(FP8_OUT_DTYPE))
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.per_tensor = weight_scale.numel() == 1
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, per_channel: bool = True) -> Fp8Linear:
@@ -150,18 +164,21 @@ class Fp8Linear(nn.Module):
         return cls(values, scales, None if linear.bias is None else linear.bias.detach())
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
-        rows = x if isinstance(x, Fp8Rows) else quantize_rows(x)
+        rows = x if isinstance(x, Fp8Rows) else quantize_rows(x, self.per_tensor)
         return fp8_linear(rows, self.weight, self.weight_scale, self.bias)
 
 
 class Fp8RMSNorm(RMSNorm):
-    """RMSNorm whose output is ``Fp8Rows`` (the next projection's FP8 input), one Triton pass
-    on CUDA (``xgr.kernels.triton_fp8.rms_norm_fp8``); input (T, dim) in the model dtype."""
+    """RMSNorm whose output is ``Fp8Rows`` (the next projection's FP8 input, per row or, with
+    ``per_tensor``, per tensor), in Triton on CUDA (``xgr.kernels.triton_fp8.rms_norm_fp8``);
+    input (T, dim) in the model dtype."""
+
+    per_tensor = False
 
     @classmethod
-    def from_norm(cls, norm: RMSNorm) -> Fp8RMSNorm:
+    def from_norm(cls, norm: RMSNorm, per_tensor: bool = False) -> Fp8RMSNorm:
         out = cls(norm.weight.shape[0], norm.eps)
-        out.weight = norm.weight
+        out.weight, out.per_tensor = norm.weight, per_tensor
         return out
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
@@ -169,20 +186,21 @@ class Fp8RMSNorm(RMSNorm):
         if x.is_cuda:
             from xgr.kernels.triton_fp8 import rms_norm_fp8
 
-            out = rms_norm_fp8(x, self.weight, self.eps, residual)
+            out = rms_norm_fp8(x, self.weight, self.eps, residual, self.per_tensor)
             if residual is None:
                 return Fp8Rows(*out)
             return out[0], Fp8Rows(*out[1])
-        if residual is None:
-            return quantize_rows_reference(rms_norm_reference(x, self.weight, self.eps))
-        total = x + residual
-        return total, quantize_rows_reference(rms_norm_reference(total, self.weight, self.eps))
+        total = x if residual is None else x + residual
+        rows = quantize_rows_reference(
+            rms_norm_reference(total, self.weight, self.eps), self.per_tensor
+        )
+        return rows if residual is None else (total, rows)
 
 
 class Fp8GatedMLP(nn.Module):
     """``xgr.layers.mlp.GatedMLP`` with FP8 projections: (T, hidden) rows (or ``Fp8Rows``) ->
-    (T, hidden) bf16; act(gate) * up is written quantized for the down projection
-    (``xgr.kernels.triton_fp8.gated_mul_fp8`` on CUDA)."""
+    (T, hidden) bf16; act(gate) * up is written quantized for the down projection, per tensor
+    when its weight is (``xgr.kernels.triton_fp8.gated_mul_fp8`` on CUDA)."""
 
     def __init__(
         self, gate_up_proj: Fp8Linear, down_proj: Fp8Linear, act: Callable, kernel_act: str | None
@@ -199,7 +217,9 @@ class Fp8GatedMLP(nn.Module):
         if projected.is_cuda and self.kernel_act is not None:
             from xgr.kernels.triton_fp8 import gated_mul_fp8
 
-            rows = Fp8Rows(*gated_mul_fp8(projected, self.kernel_act))
+            rows = Fp8Rows(*gated_mul_fp8(projected, self.kernel_act, self.down_proj.per_tensor))
         else:
-            rows = quantize_rows_reference(self.act(projected[:, 0::2]) * projected[:, 1::2])
+            rows = quantize_rows_reference(
+                self.act(projected[:, 0::2]) * projected[:, 1::2], self.down_proj.per_tensor
+            )
         return self.down_proj(rows)

@@ -70,7 +70,8 @@ class CausalLM(nn.Module):
     is_encoder_decoder = False
     # The prompt KV is written layer by layer during prefill: a contiguous block per layer.
     token_major_shared_kv = False
-    # "fp8" once ``xgr.models.quantize.quantize_fp8`` has quantized its projections.
+    # Set by ``xgr.models.quantize.quantize_fp8`` ("fp8", "fp8-tensorwise") once it has
+    # quantized the projections.
     quantization: str | None = None
 
     @property

@@ -129,10 +129,10 @@ def load_model(
     """Build the folder's model (by config.json's model_type) with its weights in ``dtype``.
 
     An FP8 checkpoint (``quantization_config.quant_method`` "fp8") is dequantized to
-    ``dtype``; with ``quantization="fp8"`` the decoder layers' projections are then
-    quantized to FP8 again, per output channel (``xgr.models.quantize.quantize_fp8``), which
-    for a checkpoint published in FP8 with block-wise scales rounds each weight a second
-    time only where its block's scale differs from its channel's largest.
+    ``dtype``; with ``quantization`` ("fp8" or "fp8-tensorwise") the decoder layers'
+    projections are then quantized to FP8 again (``xgr.models.quantize.quantize_fp8``), which
+    rounds each weight of such a checkpoint a second time where its published scale differs
+    from the new one (per tensor or per output channel).
 
     Raises:
         XgrError: unreadable config, unsupported architecture or checkpoint quantization,
@@ -148,7 +148,7 @@ def load_model(
         model = load_t5(model_dir, device, dtype)
     else:
         model = load_causal_lm(model_dir, device, dtype)
-    return model if quantization is None else quantize_fp8(model)
+    return model if quantization is None else quantize_fp8(model, quantization)
 
 
 def load_causal_lm(

@@ -3,6 +3,11 @@
 ``quantize_fp8`` turns each decoder layer's four projections (q/k/v, output, gate/up, down)
 into ``xgr.layers.fp8.Fp8Linear`` and the norms and gated activation before them into passes
 that write FP8 rows. The embeddings, the final norm and the LM head stay in the model dtype.
+Two quantizations are offered (``QUANTIZATIONS``): "fp8", one scale per output channel and per
+token row, and "fp8-tensorwise", one per tensor for weights and activations. The per-tensor
+GEMM is faster, but its activation scale needs the whole tensor's amax before any row is cast
+(a second pass), which costs more than the GEMM saves beyond a few hundred rows;
+docs/performance.md has both quantizations' speed and agreement.
 
 ``dequantize_fp8_checkpoint`` reads the tensors of a Hugging Face FP8 checkpoint
 (``quantization_config.quant_method == "fp8"``: e4m3 weights, each with a float32
@@ -20,7 +25,8 @@ from xgr.core import XgrError
 from xgr.layers.fp8 import FP8, FP8_OUT_DTYPE, Fp8GatedMLP, Fp8Linear, Fp8RMSNorm
 from xgr.models.decoder import CausalLM
 
-QUANTIZATIONS = ("fp8",)
+# Each quantization's scale granularity: per tensor (True) or per channel and token row.
+QUANTIZATIONS = {"fp8": False, "fp8-tensorwise": True}
 # The least compute capability with FP8 tensor cores (Ada, Hopper and later).
 FP8_MIN_CAPABILITY = (8, 9)
 _SCALE_SUFFIX = "_scale_inv"
@@ -36,10 +42,11 @@ def check_quantization(quantization: str | None, dtype: torch.dtype, device: tor
     if quantization is None:
         return
     if quantization not in QUANTIZATIONS:
-        raise XgrError(f"quantization must be one of {QUANTIZATIONS} or None, got {quantization!r}")
+        raise XgrError(f"quantization must be one of {list(QUANTIZATIONS)} or None, got "
+                       f"{quantization!r}")  # fmt: skip
     if dtype != FP8_OUT_DTYPE:
-        raise XgrError(f"quantization 'fp8' keeps activations in bfloat16: use dtype "
-                       f"'bfloat16', not {str(dtype).removeprefix('torch.')!r}")  # fmt: skip
+        raise XgrError(f"quantization {quantization!r} keeps activations in bfloat16: use "
+                       f"dtype 'bfloat16', not {str(dtype).removeprefix('torch.')!r}")  # fmt: skip
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
         raise XgrError(
             f"{device} ({torch.cuda.get_device_name(device)}) has no FP8 tensor cores "
@@ -47,41 +54,47 @@ def check_quantization(quantization: str | None, dtype: torch.dtype, device: tor
         )
 
 
-def quantize_fp8(model: CausalLM, per_channel: bool = True) -> CausalLM:
+def quantize_fp8(model: CausalLM, quantization: str = "fp8") -> CausalLM:
     """Quantize ``model``'s decoder-layer projections to FP8 in place (fusing them first).
 
     Args:
         model: a bfloat16 ``CausalLM`` on its device.
-        per_channel: one weight scale per output channel (False: one per tensor).
+        quantization: a name of ``QUANTIZATIONS``: "fp8" (weights per output channel,
+            activations per token row) or "fp8-tensorwise" (scales per tensor).
 
     Returns:
-        ``model``, its ``quantization`` attribute set to "fp8".
+        ``model``, its ``quantization`` attribute set to ``quantization``.
 
     Raises:
-        XgrError: not a decoder-only model, not bfloat16, or a projection size that is not
-            a multiple of 16.
+        XgrError: not a decoder-only model, an unknown quantization, not bfloat16, a model
+            quantized already in another way, or a projection size that is not a multiple
+            of 16.
     """
     if not isinstance(model, CausalLM):
         raise XgrError(
-            f"quantization 'fp8' supports decoder-only models (Qwen2, Qwen3, Llama), not "
-            f"{type(model).__name__}"
+            f"quantization {quantization!r} supports decoder-only models (Qwen2, Qwen3, "
+            f"Llama), not {type(model).__name__}"
         )
-    check_quantization("fp8", model.lm_head.weight.dtype, model.lm_head.weight.device)
-    if model.quantization == "fp8":
+    check_quantization(quantization, model.lm_head.weight.dtype, model.lm_head.weight.device)
+    if model.quantization == quantization:
         return model
+    if model.quantization is not None:
+        raise XgrError(f"the model is quantized already ({model.quantization!r}); load it "
+                       f"again to quantize it as {quantization!r}")  # fmt: skip
+    per_tensor = QUANTIZATIONS[quantization]
     model.fuse_projections()
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = Fp8Linear.from_linear(attn.qkv_proj, per_channel)
-        attn.o_proj = Fp8Linear.from_linear(attn.o_proj, per_channel)
+        attn.qkv_proj = Fp8Linear.from_linear(attn.qkv_proj, not per_tensor)
+        attn.o_proj = Fp8Linear.from_linear(attn.o_proj, not per_tensor)
         layer.mlp = Fp8GatedMLP(
-            Fp8Linear.from_linear(mlp.gate_up_proj, per_channel),
-            Fp8Linear.from_linear(mlp.down_proj, per_channel),
+            Fp8Linear.from_linear(mlp.gate_up_proj, not per_tensor),
+            Fp8Linear.from_linear(mlp.down_proj, not per_tensor),
             mlp.act, mlp.kernel_act,
         )  # fmt: skip
-        layer.input_layernorm = Fp8RMSNorm.from_norm(layer.input_layernorm)
-        layer.post_attention_layernorm = Fp8RMSNorm.from_norm(layer.post_attention_layernorm)
-    model.quantization = "fp8"
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            setattr(layer, name, Fp8RMSNorm.from_norm(getattr(layer, name), per_tensor))
+    model.quantization = quantization
     return model
 
 
@@ -122,7 +135,7 @@ def dequantize_fp8_checkpoint(
     """An FP8 checkpoint's tensors with every e4m3 weight dequantized to float32 (W =
     values * scale, per tensor or per ``blocks`` block) and its ``weight_scale_inv`` dropped;
     static activation scales (``input_scale``) are dropped too (activations are quantized
-    per token as they are produced). Other tensors are returned as they are.
+    with dynamic scales as they are produced). Other tensors are returned as they are.
 
     Raises:
         XgrError: an e4m3 weight without its scale, a scale without its weight, or a scale
