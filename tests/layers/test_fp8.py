@@ -76,6 +76,17 @@ def test_per_tensor_rows_share_one_scale():
     assert relative_error(rows.dequantize()[4], x[4]) < 0.05
 
 
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_fp8_linear_takes_no_rows(per_tensor):
+    layer = Fp8Linear.from_linear(nn.Linear(32, 16, bias=False), per_channel=not per_tensor)
+    out = layer(torch.zeros(0, 32, dtype=torch.bfloat16))
+    assert out.shape == (0, 16) and out.dtype == torch.bfloat16
+    rows = quantize_rows_reference(torch.zeros(0, 32), per_tensor)
+    assert rows.scales.shape == ((1, 1) if per_tensor else (0, 1))
+    if per_tensor:  # the all-zero scale, as the Triton pass writes for no rows
+        assert float(rows.scales) == pytest.approx(1e-12 / 448)
+
+
 def test_fp8_linear_refuses_unaligned_sizes():
     with pytest.raises(XgrError, match="multiples of 16"):
         Fp8Linear.from_linear(nn.Linear(24, 32))

@@ -58,7 +58,10 @@ def quantize_rows_reference(x: torch.Tensor, per_tensor: bool = False) -> Fp8Row
     row's (or, ``per_tensor``, the whole tensor's) largest magnitude: the torch reference of
     ``xgr.kernels.triton_fp8.quantize_rows`` (round to nearest, ties to even)."""
     x32 = x.float()
-    amax = x32.abs().amax().reshape(1, 1) if per_tensor else x32.abs().amax(-1, keepdim=True)
+    if per_tensor:  # no rows: the all-zero scale, as the kernel's
+        amax = x32.abs().amax().reshape(1, 1) if x32.numel() else x32.new_zeros(1, 1)
+    else:
+        amax = x32.abs().amax(-1, keepdim=True)
     scales = amax.clamp(min=MIN_AMAX) / FP8_MAX
     return Fp8Rows((x32 / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8), scales)
 
